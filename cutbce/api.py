@@ -1,0 +1,219 @@
+"""The public door: `cut_bce` and `target_ranks`.
+
+Each call validates its arguments, flattens the leading dims to T tokens, picks
+a backend from `BACKENDS` and runs it. Tiled backends (`xla`, `pallas_tpu`)
+share one custom VJP here: the backend computes the dense background over
+vocabulary tiles, `cutbce.sparse` the corrections at target and excluded ids.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import types
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from cutbce import inputs, reference, sparse
+from cutbce.kernels.tiling import TilePlan
+
+# Backend name -> module path of a kernel set honouring the contract written in
+# `cutbce/kernels/xla.py` (forward, backward, rank_counts, default_plan).
+# "dense" is the materializing reference and takes no kernel set.
+BACKENDS: types.MappingProxyType = types.MappingProxyType({
+    "xla": "cutbce.kernels.xla",
+    "pallas_tpu": "cutbce.kernels.tpu",
+    "dense": None,
+})
+BACKEND_CHOICES = ("auto",) + tuple(BACKENDS)
+
+
+def resolve_backend(backend: str) -> str:
+  """Maps "auto" to a concrete backend name: Pallas on TPU, XLA elsewhere."""
+  inputs.check_choice("backend", backend, BACKEND_CHOICES)
+  if backend != "auto":
+    return backend
+  if jax.default_backend() == "tpu" and _kernel_module_available("pallas_tpu"):
+    return "pallas_tpu"
+  return "xla"
+
+
+def _kernel_module_available(name: str) -> bool:
+  try:
+    _kernels(name)
+  except ImportError:
+    return False
+  return True
+
+
+def _kernels(name: str):
+  return importlib.import_module(BACKENDS[name])
+
+
+# --------------------------------------------------------------------------- #
+# The tiled loss: per-token l_t with a custom VJP. Weights and reductions are  #
+# applied outside by plain JAX, so the cotangent reaching `_bwd` is g_t.       #
+# --------------------------------------------------------------------------- #
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _tiled_loss(backend, plan, with_counts, hidden, table, bias, ids):
+  """`[T]` float32 losses l_t (and per-token counts) of one tiled backend."""
+  kernels = _kernels(backend)
+  softplus_sum, positive_count = kernels.forward(
+      hidden, table, bias, plan=plan, with_counts=with_counts
+  )
+  logits = sparse.sparse_logits(hidden, table, bias, ids)
+  per_token = softplus_sum + sparse.loss_correction(ids, logits)
+  counts = None
+  if with_counts:
+    counts = sparse.token_counts(ids, logits, positive_count, table.shape[0])
+  return per_token, counts
+
+
+def _tiled_loss_fwd(backend, plan, with_counts, hidden, table, bias, ids):
+  # Residuals are the inputs only; the backward recomputes every logit tile.
+  out = _tiled_loss(backend, plan, with_counts, hidden, table, bias, ids)
+  return out, (hidden, table, bias, ids)
+
+
+def _tiled_loss_bwd(backend, plan, with_counts, residuals, cotangents):
+  del with_counts
+  hidden, table, bias, ids = residuals
+  scale = cotangents[0].astype(jnp.float32)  # g_t, [T]; counts get none.
+  logits = sparse.sparse_logits(hidden, table, bias, ids)
+  all_ids, coefficients = sparse.logit_cotangents(ids, logits, scale)
+  hidden_grad, table_grad, bias_grad = sparse.sparse_grads(
+      hidden, table, bias is not None, all_ids, coefficients
+  )
+  dense_hidden_grad, table_grad, bias_grad = _kernels(backend).backward(
+      hidden, table, bias, scale, table_grad, bias_grad, plan=plan
+  )
+  hidden_grad = (hidden_grad + dense_hidden_grad).astype(hidden.dtype)
+  table_grad = table_grad.astype(table.dtype)
+  if bias is not None:
+    bias_grad = bias_grad.astype(bias.dtype)
+  # Ids get no cotangent (None = zero for every leaf).
+  return hidden_grad, table_grad, bias_grad, None
+
+
+_tiled_loss.defvjp(_tiled_loss_fwd, _tiled_loss_bwd)
+
+
+def _resolve_plan(backend: str, plan: TilePlan | None, flat: inputs.Flat, num_rows: int):
+  if plan is not None:
+    return plan
+  hidden, table = flat.hidden, flat.table
+  return _kernels(backend).default_plan(
+      num_rows, table.shape[0], table.shape[1], jnp.result_type(hidden.dtype, table.dtype)
+  )
+
+
+def cut_bce(
+    hidden, table, targets, weights=None, *, bias=None, exclude=None,
+    reduction="mean", vocab_reduction="mean", return_stats=False,
+    backend="auto", plan=None,
+):
+  """Multi-label binary cross-entropy over the whole catalog, without `[T, V]` logits.
+
+  With x_tv = h_t . e_v (+ b_v), P_t the valid deduplicated targets and X_t the
+  excluded ids that are not targets, position t's loss is
+
+      l_t = sum_{v not in X_t} softplus(x_tv) - sum_{p in P_t} x_tp,
+
+  exactly BCE(x, y) = softplus(x) - y x summed over the catalog, computed as a
+  tiled dense background plus sparse corrections. Accumulation is float32.
+
+  Args:
+    hidden: `[..., D]` float32 or bfloat16 hidden states (usually `[B, N, D]`).
+    table: `[V, D]` item table.
+    targets: int `[..., L]` positive ids; any id outside [0, V) is padding
+      (use -1); an id repeated in a row counts once.
+    weights: optional float `[...]` per position; 0 drops a position.
+    bias: optional `[V]` per-item bias.
+    exclude: optional int `[..., E]` ids that are neither positives nor
+      negatives for their position (ids that are also targets stay targets).
+    reduction: "mean" (sum_t w_t l_t / sum_t w_t, 0 when all weights are 0),
+      "sum", or "none" (w_t l_t with the leading shape).
+    vocab_reduction: "mean" divides l_t by V (the Keras convention), "sum" not.
+    return_stats: also return a `cutbce.Stats` of weighted confusion counts
+      at logit > 0 (excluded ids count in none).
+    backend: "auto" (Pallas on TPU, XLA elsewhere), "xla", "pallas_tpu"
+      (interpret mode off-TPU), or "dense" (the materializing reference).
+    plan: optional `cutbce.TilePlan` overriding the tile sizes.
+
+  Returns:
+    float32 loss: a scalar, or `[...]` for reduction="none"; with
+    `return_stats`, `(loss, stats)`.
+
+  Raises:
+    ValueError, TypeError: on bad shapes, dtypes or option values, naming the
+      argument and the shapes seen.
+
+  Example:
+    >>> import jax.numpy as jnp, cutbce
+    >>> hidden = jnp.ones((2, 3, 4)); table = jnp.zeros((10, 4))
+    >>> targets = jnp.array([[[1], [2], [-1]], [[3], [3], [4]]])
+    >>> float(cutbce.cut_bce(hidden, table, targets, vocab_reduction="sum"))
+    6.1314...
+  """
+  inputs.check_choice("reduction", reduction, inputs.REDUCTIONS)
+  inputs.check_choice("vocab_reduction", vocab_reduction, inputs.VOCAB_REDUCTIONS)
+  inputs.check_plan(plan)
+  backend = resolve_backend(backend)
+  flat = inputs.flatten_inputs(hidden, table, targets, weights, bias, exclude)
+  if backend == "dense":
+    return reference.dense_bce(
+        hidden, table, targets, weights, bias=bias, exclude=exclude,
+        reduction=reduction, vocab_reduction=vocab_reduction,
+        return_stats=return_stats,
+    )
+  plan = _resolve_plan(backend, plan, flat, flat.hidden.shape[0])
+  ids = sparse.prepare_ids(flat.targets, flat.exclude, flat.table.shape[0])
+  per_token, counts = _tiled_loss(
+      backend, plan, bool(return_stats), flat.hidden, flat.table, flat.bias, ids
+  )
+  loss = inputs.reduce_losses(per_token, flat, reduction, vocab_reduction)
+  if not return_stats:
+    return loss
+  return loss, inputs.weighted_stats(counts, jax.lax.stop_gradient(flat.weights))
+
+
+def target_ranks(hidden, table, targets, *, bias=None, exclude=None, backend="auto", plan=None):
+  """1-based rank of each target among all non-excluded items, in one tiled pass.
+
+  rank_tl = 1 + #{v not in X_t : x_tv > x_{t, targets_tl}}: ties are resolved
+  in the target's favour, other targets count like any item. No top-k and no
+  `[T, V]` array.
+
+  Args:
+    hidden: `[..., D]`; table: `[V, D]`; targets: int `[..., L]` (padding as
+      in `cut_bce`); bias: optional `[V]`; exclude: optional int `[..., E]`.
+    backend, plan: as in `cut_bce`.
+
+  Returns:
+    int32 `[..., L]`; 0 for padding ids and for repeats of an earlier id in the
+    same row, so that every item is counted once by `rank_metrics`.
+  """
+  inputs.check_plan(plan)
+  backend = resolve_backend(backend)
+  flat = inputs.flatten_inputs(hidden, table, targets, None, bias, exclude)
+  if backend == "dense":
+    return reference.dense_target_ranks(hidden, table, targets, bias=bias, exclude=exclude)
+  hidden_, table_, bias_ = (jax.lax.stop_gradient(x) for x in (flat.hidden, flat.table, flat.bias))
+  num_targets = flat.targets.shape[-1]
+  plan = _resolve_plan(backend, plan, flat, flat.hidden.shape[0] * num_targets)
+  ids = sparse.prepare_ids(flat.targets, flat.exclude, table_.shape[0])
+  logits = sparse.sparse_logits(hidden_, table_, bias_, ids)
+  larger = _kernels(backend).rank_counts(
+      hidden_, table_, bias_, logits.target, ids.target_ids, plan=plan
+  )  # [T, L]
+  if ids.exclude_mask is not None:
+    larger = larger - jnp.sum(
+        ids.exclude_mask[:, :, None] & (logits.exclude[:, :, None] > logits.target[:, None, :]),
+        axis=1, dtype=jnp.int32,
+    )
+  ranks = jnp.where(ids.target_mask, 1 + larger, 0)
+  return jnp.reshape(ranks, flat.leading_shape + (num_targets,))

@@ -1,0 +1,150 @@
+"""Argument checks and the reductions every entry point shares.
+
+Checks run at trace time on shapes and dtypes only, and raise `ValueError` or
+`TypeError` naming the argument and the shapes seen.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cutbce.kernels.tiling import TilePlan
+from cutbce.stats import Stats
+
+REDUCTIONS = ("mean", "sum", "none")
+VOCAB_REDUCTIONS = ("mean", "sum")
+
+
+class Flat(NamedTuple):
+  """Inputs flattened to T = prod(leading shape) tokens.
+
+  Attributes:
+    hidden: [T, D]; table: [V, D]; bias: [V] or None;
+    targets: [T, L] int; weights: [T] float32; exclude: [T, E] int or None;
+    leading_shape: the caller's leading shape (`[B, N]` usually).
+  """
+
+  hidden: jax.Array
+  table: jax.Array
+  bias: jax.Array | None
+  targets: jax.Array
+  weights: jax.Array
+  exclude: jax.Array | None
+  leading_shape: tuple[int, ...]
+
+
+def _shape(x) -> tuple[int, ...]:
+  return tuple(np.shape(x))
+
+
+def _dtype(x):
+  return jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
+
+
+def _check_float(name, x):
+  if not jnp.issubdtype(_dtype(x), jnp.floating):
+    raise TypeError(f"{name} must be a floating dtype (float32 or bfloat16), got {_dtype(x)}")
+
+
+def _check_int(name, x):
+  if not jnp.issubdtype(_dtype(x), jnp.integer):
+    raise TypeError(
+        f"{name} must hold integer item ids (use -1 for padding), got dtype {_dtype(x)}"
+    )
+
+
+def check_choice(name, value, choices):
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def check_plan(plan):
+  if plan is not None and not isinstance(plan, TilePlan):
+    raise TypeError(f"plan must be a cutbce.TilePlan or None, got {type(plan).__name__}")
+
+
+def flatten_inputs(hidden, table, targets, weights=None, bias=None, exclude=None) -> Flat:
+  """Checks shapes and dtypes, flattens leading dims to T tokens."""
+  hidden_shape, table_shape, targets_shape = _shape(hidden), _shape(table), _shape(targets)
+  _check_float("hidden", hidden)
+  _check_float("table", table)
+  _check_int("targets", targets)
+  if len(hidden_shape) < 2:
+    raise ValueError(f"hidden must have shape [..., D] with rank >= 2, got shape {hidden_shape}")
+  if len(table_shape) != 2:
+    raise ValueError(f"table must have shape [V, D], got shape {table_shape}")
+  if table_shape[0] < 1:
+    raise ValueError(f"table must hold at least one item, got shape {table_shape}")
+  if hidden_shape[-1] != table_shape[-1]:
+    raise ValueError(
+        f"hidden D={hidden_shape[-1]} (shape {hidden_shape}) != table D={table_shape[-1]} "
+        f"(shape {table_shape})"
+    )
+  leading = hidden_shape[:-1]
+  if len(targets_shape) != len(hidden_shape):
+    raise ValueError(
+        f"targets must have shape [..., L] with the leading shape of hidden {leading}, "
+        f"got rank {len(targets_shape)} shape {targets_shape} for hidden shape {hidden_shape}"
+    )
+  if targets_shape[:-1] != leading:
+    raise ValueError(
+        f"targets leading shape {targets_shape[:-1]} != hidden leading shape {leading}"
+    )
+  if weights is not None:
+    _check_float("weights", weights)
+    if _shape(weights) != leading:
+      raise ValueError(
+          f"weights shape {_shape(weights)} != hidden leading shape {leading}"
+      )
+  if bias is not None:
+    _check_float("bias", bias)
+    if _shape(bias) != table_shape[:1]:
+      raise ValueError(f"bias must have shape [V]=({table_shape[0]},), got {_shape(bias)}")
+  if exclude is not None:
+    _check_int("exclude", exclude)
+    exclude_shape = _shape(exclude)
+    if len(exclude_shape) != len(hidden_shape) or exclude_shape[:-1] != leading:
+      raise ValueError(
+          f"exclude leading shape {exclude_shape[:-1]} (shape {exclude_shape}) != "
+          f"hidden leading shape {leading}"
+      )
+  num_tokens = int(np.prod(leading))
+  dim = hidden_shape[-1]
+  hidden = jnp.reshape(hidden, (num_tokens, dim))
+  targets = jnp.reshape(targets, (num_tokens, targets_shape[-1]))
+  if weights is None:
+    weights = jnp.ones((num_tokens,), jnp.float32)
+  else:
+    weights = jnp.reshape(weights, (num_tokens,)).astype(jnp.float32)
+  if exclude is not None:
+    exclude = jnp.reshape(exclude, (num_tokens, _shape(exclude)[-1]))
+  return Flat(hidden, table, bias, targets, weights, exclude, leading)
+
+
+def reduce_losses(per_token, flat: Flat, reduction: str, vocab_reduction: str):
+  """Applies weights, the vocab and the token reductions to `[T]` losses.
+
+  "mean" is sum_t w_t l_t / sum_t w_t, and 0 when every weight is 0 (the
+  gradient is then 0 as well, not NaN). "none" returns w_t * l_t with the
+  caller's leading shape, so that its sum equals "sum".
+  """
+  if vocab_reduction == "mean":
+    per_token = per_token / flat.table.shape[0]
+  weighted = flat.weights * per_token
+  if reduction == "none":
+    return jnp.reshape(weighted, flat.leading_shape)
+  total = jnp.sum(weighted)
+  if reduction == "sum":
+    return total
+  weight_sum = jnp.sum(flat.weights)
+  safe = jnp.where(weight_sum != 0, weight_sum, 1.0)
+  return jnp.where(weight_sum != 0, total / safe, 0.0)
+
+
+def weighted_stats(counts, weights) -> Stats:
+  """Sums per-token counts (tp, fp, fn, tn, each `[T]`) times `[T]` weights."""
+  return Stats(*(jnp.sum(weights * c.astype(jnp.float32)) for c in counts))
