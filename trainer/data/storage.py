@@ -1,0 +1,176 @@
+"""On-disk format of a prepared dataset: ``.npy`` arrays plus a JSON manifest.
+
+A prepared dataset is a folder::
+
+  manifest.json          counts, options, split parameters, array list
+  items.npy              int32 [n]      dense item ids, user-major, time order
+  timestamps.npy         int64 [n]
+  offsets.npy            int64 [U + 1]  user u = rows offsets[u]:offsets[u+1]
+  train_lengths.npy      int64 [U]      training prefix length per user
+  validation.npy         int64 [K, 4]   (user, history_length, target_start,
+  test.npy               int64 [K, 4]    target_end), relative to offsets[user]
+  user_ids.npy           int64 [U]      raw id of each dense user
+  item_ids.npy           int64 [V]      raw id of each dense item
+
+Arrays are read memory-mapped. Writes are atomic: each file is written under a
+temporary name and renamed, the manifest last, and any previous manifest is
+removed first, so a folder with a manifest always holds a complete dataset and
+a failed preparation leaves no manifest behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Mapping
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+FORMAT = "cutbce-prepared"
+VERSION = 1
+ARRAYS = {  # name -> (dtype, rank)
+    "items": ("int32", 1), "timestamps": ("int64", 1),
+    "offsets": ("int64", 1), "train_lengths": ("int64", 1),
+    "validation": ("int64", 2), "test": ("int64", 2),
+    "user_ids": ("int64", 1), "item_ids": ("int64", 1),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PreparedDataset:
+  """A prepared dataset opened for reading (arrays memory-mapped).
+
+  Attributes:
+    path: the folder.
+    manifest: the parsed manifest.
+    items, timestamps, offsets, train_lengths, validation, test, user_ids,
+      item_ids: the arrays listed in the module docstring.
+  """
+
+  path: pathlib.Path
+  manifest: dict
+  items: np.ndarray
+  timestamps: np.ndarray
+  offsets: np.ndarray
+  train_lengths: np.ndarray
+  validation: np.ndarray
+  test: np.ndarray
+  user_ids: np.ndarray
+  item_ids: np.ndarray
+
+  @property
+  def num_users(self) -> int:
+    return int(self.offsets.shape[0] - 1)
+
+  @property
+  def num_items(self) -> int:
+    """V: item ids are in ``[0, V)``; V is also the input padding id."""
+    return int(self.item_ids.shape[0])
+
+  def examples(self, split: str) -> np.ndarray:
+    """int64 ``[K, 4]`` evaluation examples of ``"validation"`` or ``"test"``."""
+    if split not in ("validation", "test"):
+      raise ValueError(
+          f"unknown evaluation split {split!r}; expected 'validation' or 'test'")
+    return getattr(self, split)
+
+
+def remove_manifest(path: str | os.PathLike) -> None:
+  """Deletes the manifest of ``path`` if any, marking the folder incomplete."""
+  try:
+    os.remove(pathlib.Path(path) / MANIFEST)
+  except FileNotFoundError:
+    pass
+
+
+def _write_atomic(target: pathlib.Path, write) -> None:
+  """Writes through ``write(file)`` to a temporary name, then renames."""
+  temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+  try:
+    with open(temporary, "wb") as file:
+      write(file)
+      file.flush()
+      os.fsync(file.fileno())
+    os.replace(temporary, target)
+  finally:
+    if temporary.exists():
+      temporary.unlink()
+
+
+def write_prepared(path: str | os.PathLike, arrays: Mapping[str, np.ndarray],
+                   manifest: Mapping) -> pathlib.Path:
+  """Writes a prepared dataset atomically (manifest last).
+
+  Args:
+    path: output folder (created if needed).
+    arrays: every name of :data:`ARRAYS` to its array.
+    manifest: JSON-serializable metadata; the array table and format version
+      are added.
+
+  Returns:
+    The folder.
+
+  Raises:
+    ValueError: a missing array or one of the wrong dtype or rank.
+  """
+  folder = pathlib.Path(path)
+  missing = sorted(set(ARRAYS) - set(arrays))
+  if missing:
+    raise ValueError(f"arrays {missing} missing; expected {sorted(ARRAYS)}")
+  table = {}
+  for name, (dtype, rank) in ARRAYS.items():
+    array = arrays[name]
+    if array.dtype != np.dtype(dtype) or array.ndim != rank:
+      raise ValueError(f"array {name!r} is {array.dtype} rank {array.ndim}; "
+                       f"expected {dtype} rank {rank}")
+    table[name] = {"file": f"{name}.npy", "dtype": dtype,
+                   "shape": list(array.shape)}
+  folder.mkdir(parents=True, exist_ok=True)
+  remove_manifest(folder)
+  for name in ARRAYS:
+    _write_atomic(folder / table[name]["file"],
+                  lambda file, a=arrays[name]: np.save(file, a))
+  full = {"format": FORMAT, "version": VERSION, **manifest, "arrays": table}
+  text = json.dumps(full, indent=2, sort_keys=True).encode()
+  _write_atomic(folder / MANIFEST, lambda file: file.write(text))
+  return folder
+
+
+def load_prepared(path: str | os.PathLike) -> PreparedDataset:
+  """Opens a prepared dataset; arrays are memory-mapped, not read.
+
+  Args:
+    path: folder written by :func:`write_prepared`.
+
+  Returns:
+    :class:`PreparedDataset`.
+
+  Raises:
+    FileNotFoundError: no manifest (never prepared, or preparation failed).
+    ValueError: a manifest of another format or version, or an array whose
+      dtype or shape differs from the manifest.
+  """
+  folder = pathlib.Path(path)
+  manifest_path = folder / MANIFEST
+  if not manifest_path.is_file():
+    raise FileNotFoundError(
+        f"no {MANIFEST} in {folder}: the dataset was not prepared there or its "
+        "preparation failed; run `python -m trainer.data --out "
+        f"{folder} ...` first")
+  manifest = json.loads(manifest_path.read_text())
+  if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    raise ValueError(
+        f"{manifest_path} has format {manifest.get('format')!r} version "
+        f"{manifest.get('version')!r}; expected {FORMAT!r} version {VERSION}")
+  arrays = {}
+  for name, entry in manifest["arrays"].items():
+    array = np.load(folder / entry["file"], mmap_mode="r")
+    if str(array.dtype) != entry["dtype"] or list(array.shape) != entry["shape"]:
+      raise ValueError(
+          f"{entry['file']} in {folder} is {array.dtype} {list(array.shape)}; "
+          f"the manifest expects {entry['dtype']} {entry['shape']}")
+    arrays[name] = array
+  return PreparedDataset(path=folder, manifest=manifest, **arrays)
