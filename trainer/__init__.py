@@ -1,0 +1,1 @@
+"""SASRec multi-label training with CutBCE: data, model, loop, eval, checkpoints."""

@@ -1,0 +1,168 @@
+"""SASRec in Flax NNX: a causal pre-LayerNorm transformer over item sequences.
+
+The item embedding table `[V, D]` is both the input embedding and the output
+table that `cutbce` scores hidden states against, so the model returns hidden
+states `[B, N, D]`, never logits. Positions are learned. Every block is
+
+    x = x + Dropout(SelfAttention(LayerNorm(x)), causal, padding keys masked)
+    x = x + Dropout(FeedForward(LayerNorm(x)))
+
+followed by a final LayerNorm. Input ids below 0 are padding: their embedding
+is zero and no position attends to them.
+
+Parameters are float32; `dtype` sets the compute dtype (float32 or bfloat16)
+of activations and of the returned hidden states. Dropout takes its key from
+the `rngs` argument of `__call__` (`nnx.Rngs(dropout=key)`), so the model
+holds no random state and the train step derives the key from the step number:
+a resumed run draws the same masks as an uninterrupted one.
+
+Sharding: `param_partition_specs` puts the item table's rows on the vocab axis
+of the mesh and replicates everything else.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+# Name of the attribute holding the item table; sharding and the loss find it by name.
+ITEM_EMBEDDING = "item_embedding"
+
+
+def padded_vocab_size(num_items: int, vocab_shards: int) -> int:
+  """Table rows: `num_items` rounded up to a multiple of the vocab axis size.
+
+  A mesh can only split an array evenly, so the table gets up to
+  `vocab_shards - 1` extra rows. They are never inputs or targets, and the
+  loss and evaluation pass them as excluded ids, so they are neither
+  negatives nor ranked.
+  """
+  return -(-num_items // vocab_shards) * vocab_shards
+
+
+class FeedForward(nnx.Module):
+  """Position-wise `D -> hidden_dim -> D` with GELU."""
+
+  def __init__(self, dim: int, hidden_dim: int, *, dtype, rngs: nnx.Rngs):
+    self.up = nnx.Linear(dim, hidden_dim, dtype=dtype, rngs=rngs)
+    self.down = nnx.Linear(hidden_dim, dim, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):  # [B, N, D] -> [B, N, D]
+    return self.down(jax.nn.gelu(self.up(x)))
+
+
+class Block(nnx.Module):
+  """One causal pre-LayerNorm transformer block."""
+
+  def __init__(self, dim: int, num_heads: int, mlp_dim: int, dropout_rate: float, *,
+               dtype, rngs: nnx.Rngs):
+    self.attention_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(
+        num_heads=num_heads, in_features=dim, dtype=dtype, dropout_rate=dropout_rate,
+        broadcast_dropout=False, decode=False, rngs=rngs,
+    )
+    self.mlp_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+    self.mlp = FeedForward(dim, mlp_dim, dtype=dtype, rngs=rngs)
+    self.dropout = nnx.Dropout(dropout_rate)
+
+  def __call__(self, x, mask, *, deterministic: bool, rngs):
+    """x `[B, N, D]`; mask bool `[B, 1, N, N]` (query, key)."""
+    y = self.attention(self.attention_norm(x), mask=mask, deterministic=deterministic,
+                       rngs=rngs)
+    x = x + self.dropout(y, deterministic=deterministic, rngs=rngs)
+    y = self.mlp(self.mlp_norm(x))
+    return x + self.dropout(y, deterministic=deterministic, rngs=rngs)
+
+
+class SASRec(nnx.Module):
+  """Self-attentive sequential recommender returning hidden states.
+
+  Args:
+    num_items: catalog size V (valid ids are [0, V)).
+    seq_len: maximum sequence length N (number of learned positions).
+    dim: hidden size D.
+    num_layers, num_heads, mlp_dim: transformer shape.
+    dropout_rate: dropout on embeddings, attention weights and residual branches.
+    vocab_shards: size of the mesh axis splitting the table; the table has
+      `padded_vocab_size(num_items, vocab_shards)` rows.
+    dtype: compute dtype (jnp.float32 or jnp.bfloat16); parameters stay float32.
+    rngs: parameter initialisation keys (`nnx.Rngs(params=...)`).
+  """
+
+  def __init__(self, *, num_items: int, seq_len: int, dim: int, num_layers: int,
+               num_heads: int, mlp_dim: int, dropout_rate: float = 0.0,
+               vocab_shards: int = 1, dtype=jnp.float32, rngs: nnx.Rngs):
+    if num_items < 1 or seq_len < 1 or dim < 1 or num_layers < 0:
+      raise ValueError(
+          f"SASRec needs num_items, seq_len, dim >= 1 and num_layers >= 0, got "
+          f"num_items={num_items}, seq_len={seq_len}, dim={dim}, num_layers={num_layers}")
+    if dim % num_heads:
+      raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
+    self.num_items = num_items
+    self.dim = dim
+    self.dtype = dtype
+    init = nnx.initializers.normal(stddev=dim ** -0.5)
+    setattr(self, ITEM_EMBEDDING, nnx.Embed(
+        padded_vocab_size(num_items, vocab_shards), dim, dtype=dtype,
+        embedding_init=init, rngs=rngs))
+    self.position_embedding = nnx.Embed(seq_len, dim, dtype=dtype, embedding_init=init,
+                                        rngs=rngs)
+    self.embedding_dropout = nnx.Dropout(dropout_rate)
+    self.blocks = nnx.List([
+        Block(dim, num_heads, mlp_dim, dropout_rate, dtype=dtype, rngs=rngs)
+        for _ in range(num_layers)
+    ])
+    self.final_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+
+  @property
+  def item_table(self) -> jax.Array:
+    """The `[V_padded, D]` output table (the input embedding), in compute dtype."""
+    return getattr(self, ITEM_EMBEDDING).embedding[...].astype(self.dtype)
+
+  def __call__(self, inputs, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
+    """Hidden states of a batch of item sequences.
+
+    Args:
+      inputs: int `[B, N]` item ids; ids < 0 are padding.
+      deterministic: disables dropout when True.
+      rngs: `nnx.Rngs(dropout=key)`, required when `deterministic` is False.
+
+    Returns:
+      `[B, N, D]` hidden states in the compute dtype (zero-masked padding
+      positions are still returned; their loss weights are 0).
+    """
+    valid = inputs >= 0  # [B, N]
+    ids = jnp.where(valid, inputs, 0)
+    x = getattr(self, ITEM_EMBEDDING)(ids) * jnp.asarray(self.dim ** 0.5, self.dtype)
+    x = x * valid[..., None].astype(self.dtype)
+    positions = jnp.arange(inputs.shape[-1])
+    x = x + self.position_embedding(positions)[None]
+    x = self.embedding_dropout(x, deterministic=deterministic, rngs=rngs)
+    causal = nnx.make_causal_mask(inputs, dtype=jnp.bool_)  # [B, 1, N, N]
+    # Padding keys are masked, except that every query sees itself: no row of
+    # the mask is empty, and a padding position depends on nothing but itself.
+    itself = jnp.eye(inputs.shape[-1], dtype=jnp.bool_)[None, None]  # [1, 1, N, N]
+    mask = causal & (valid[:, None, None, :] | itself)
+    for block in self.blocks:
+      x = block(x, mask, deterministic=deterministic, rngs=rngs)
+    return self.final_norm(x)
+
+
+def param_partition_specs(params: nnx.State, vocab_axis: str | None) -> nnx.State:
+  """PartitionSpecs for a state shaped like the model's parameters.
+
+  The item table `[V, D]` (and any array in the tree under the same path, such
+  as optimizer moments) is split by rows over `vocab_axis`; everything else is
+  replicated.
+  """
+
+  def spec(path, leaf):
+    if vocab_axis is not None and any(
+        getattr(k, "key", getattr(k, "name", None)) == ITEM_EMBEDDING for k in path
+    ) and getattr(leaf, "ndim", 0) == 2:
+      return P(vocab_axis, None)
+    return P()
+
+  return jax.tree_util.tree_map_with_path(spec, params)
