@@ -58,9 +58,21 @@ def _kernels(name: str):
 # --------------------------------------------------------------------------- #
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _tiled_loss(backend, plan, with_counts, hidden, table, bias, ids):
-  """`[T]` float32 losses l_t (and per-token counts) of one tiled backend."""
+def tiled_forward(backend, plan, with_counts, hidden, table, bias, ids, vocab):
+  """Per-token losses of one tiled backend on flat inputs, no custom VJP.
+
+  Args:
+    backend: a tiled backend name ("xla", "pallas_tpu").
+    plan: the `TilePlan` for these shapes.
+    with_counts: also return per-token confusion counts.
+    hidden: `[T, D]`; table: `[V, D]`; bias: `[V]` or None.
+    ids: `sparse.SparseIds` into `table`'s rows.
+    vocab: items counted as negatives by the counts (usually V; a shard of a
+      padded table passes its number of real rows).
+
+  Returns:
+    (`[T]` float32 l_t, `sparse.TokenCounts` or None).
+  """
   kernels = _kernels(backend)
   softplus_sum, positive_count = kernels.forward(
       hidden, table, bias, plan=plan, with_counts=with_counts
@@ -69,8 +81,34 @@ def _tiled_loss(backend, plan, with_counts, hidden, table, bias, ids):
   per_token = softplus_sum + sparse.loss_correction(ids, logits)
   counts = None
   if with_counts:
-    counts = sparse.token_counts(ids, logits, positive_count, table.shape[0])
+    counts = sparse.token_counts(ids, logits, positive_count, vocab)
   return per_token, counts
+
+
+def tiled_backward(backend, plan, hidden, table, bias, ids, scale):
+  """Gradients of sum_t scale_t l_t on flat inputs, all float32.
+
+  Returns:
+    (dh `[T, D]`, dE `[V, D]`, db `[V]` or None), float32, not yet cast to
+    the input dtypes (a sharded caller sums them across devices first).
+  """
+  logits = sparse.sparse_logits(hidden, table, bias, ids)
+  all_ids, coefficients = sparse.logit_cotangents(ids, logits, scale)
+  hidden_grad, table_grad, bias_grad = sparse.sparse_grads(
+      hidden, table, bias is not None, all_ids, coefficients
+  )
+  dense_hidden_grad, table_grad, bias_grad = _kernels(backend).backward(
+      hidden, table, bias, scale, table_grad, bias_grad, plan=plan
+  )
+  return hidden_grad + dense_hidden_grad, table_grad, bias_grad
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _tiled_loss(backend, plan, with_counts, hidden, table, bias, ids):
+  """`[T]` float32 losses l_t (and per-token counts) of one tiled backend."""
+  return tiled_forward(
+      backend, plan, with_counts, hidden, table, bias, ids, table.shape[0]
+  )
 
 
 def _tiled_loss_fwd(backend, plan, with_counts, hidden, table, bias, ids):
@@ -83,15 +121,10 @@ def _tiled_loss_bwd(backend, plan, with_counts, residuals, cotangents):
   del with_counts
   hidden, table, bias, ids = residuals
   scale = cotangents[0].astype(jnp.float32)  # g_t, [T]; counts get none.
-  logits = sparse.sparse_logits(hidden, table, bias, ids)
-  all_ids, coefficients = sparse.logit_cotangents(ids, logits, scale)
-  hidden_grad, table_grad, bias_grad = sparse.sparse_grads(
-      hidden, table, bias is not None, all_ids, coefficients
+  hidden_grad, table_grad, bias_grad = tiled_backward(
+      backend, plan, hidden, table, bias, ids, scale
   )
-  dense_hidden_grad, table_grad, bias_grad = _kernels(backend).backward(
-      hidden, table, bias, scale, table_grad, bias_grad, plan=plan
-  )
-  hidden_grad = (hidden_grad + dense_hidden_grad).astype(hidden.dtype)
+  hidden_grad = hidden_grad.astype(hidden.dtype)
   table_grad = table_grad.astype(table.dtype)
   if bias is not None:
     bias_grad = bias_grad.astype(bias.dtype)
@@ -102,12 +135,18 @@ def _tiled_loss_bwd(backend, plan, with_counts, residuals, cotangents):
 _tiled_loss.defvjp(_tiled_loss_fwd, _tiled_loss_bwd)
 
 
+def default_plan(backend: str, num_tokens: int, vocab: int, dim: int, dtype) -> TilePlan:
+  """The tiled backend's own plan for `[num_tokens, dim]` tokens against `vocab` rows."""
+  return _kernels(backend).default_plan(num_tokens, vocab, dim, dtype)
+
+
 def _resolve_plan(backend: str, plan: TilePlan | None, flat: inputs.Flat, num_rows: int):
   if plan is not None:
     return plan
   hidden, table = flat.hidden, flat.table
-  return _kernels(backend).default_plan(
-      num_rows, table.shape[0], table.shape[1], jnp.result_type(hidden.dtype, table.dtype)
+  return default_plan(
+      backend, num_rows, table.shape[0], table.shape[1],
+      jnp.result_type(hidden.dtype, table.dtype),
   )
 
 
