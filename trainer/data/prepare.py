@@ -22,6 +22,15 @@ def _max_or_zero(values: np.ndarray) -> int:
   return int(values.max()) if values.size else 0
 
 
+def _check_options(split: str, seq_lens: tuple[int, ...]) -> None:
+  """Raises ValueError for an unknown split or a window length below 1."""
+  if split not in splits.SPLITS:
+    raise ValueError(f"unknown split {split!r}; expected one of {splits.SPLITS}")
+  for n in seq_lens:
+    if isinstance(n, bool) or int(n) != n or n < 1:
+      raise ValueError(f"sequence length N must be an integer >= 1, got {n!r}")
+
+
 def summarize(manifest: Mapping, seq_len: int) -> dict:
   """The CLI's summary: counts, and the training windows of N = ``seq_len``."""
   keys = ("dataset", "split", "num_users", "num_items", "num_interactions",
@@ -63,16 +72,38 @@ def prepare_dataset(dataset: str, out: str | os.PathLike, *,
   Raises:
     ValueError, TypeError, FileNotFoundError: bad names, options or data.
   """
-  loader = sources.get_source(dataset)
-  if split not in splits.SPLITS:
-    raise ValueError(f"unknown split {split!r}; expected one of {splits.SPLITS}")
-  for n in seq_lens:
-    if int(n) != n or n < 1:
-      raise ValueError(f"sequence length N must be an integer >= 1, got {n!r}")
   storage.remove_manifest(out)
+  loader = sources.get_source(dataset)
+  _check_options(split, seq_lens)
   if min_item_count is None:
     min_item_count = DEFAULT_MIN_ITEM_COUNT[dataset]
   raw = loader(**dict(source_options or {}))
+  return prepare_interactions(
+      raw, out, dataset=dataset, min_item_count=min_item_count,
+      min_user_count=min_user_count, split=split, split_options=split_options,
+      source_options=source_options, seq_lens=seq_lens)
+
+
+def prepare_interactions(raw: sources.Interactions, out: str | os.PathLike, *,
+                         dataset: str, min_item_count: int = 1,
+                         min_user_count: int = 1, split: str = "loo",
+                         split_options: Mapping | None = None,
+                         source_options: Mapping | None = None,
+                         seq_lens: tuple[int, ...] = (200,)) -> dict:
+  """Prepares already loaded interactions into ``out``.
+
+  Args:
+    raw: interactions in file order.
+    out: output folder; any manifest in it is removed first.
+    dataset: name recorded in the manifest.
+    min_item_count, min_user_count, split, split_options, source_options,
+      seq_lens: see :func:`prepare_dataset`.
+
+  Returns:
+    The manifest written to ``out/manifest.json``.
+  """
+  storage.remove_manifest(out)
+  _check_options(split, seq_lens)
   raw_size = len(raw)
   sequences = preprocess.prepare_sequences(
       raw, min_item_count=min_item_count, min_user_count=min_user_count)
