@@ -58,3 +58,279 @@ def default_xla_block_v(num_tokens: int, vocab: int) -> int:
   block_v = XLA_TILE_BYTES // (4 * max(num_tokens, 1))
   block_v = max(XLA_MIN_BLOCK_V, min(XLA_MAX_BLOCK_V, block_v // 128 * 128))
   return max(1, min(block_v, vocab))
+
+
+# --------------------------------------------------------------------------- #
+# The TPU planner.                                                             #
+# --------------------------------------------------------------------------- #
+
+LANES = 128  # minor (lane) dimension of a VMEM tile
+SUBLANES = 8  # second-minor rows of a 32-bit VMEM tile (16 for 16-bit types)
+MIB = 1024 * 1024
+# Fraction of the core's VMEM the planner lets one kernel use; the rest is
+# left to Mosaic's internal scratch and to rounding the estimate cannot see.
+VMEM_BUDGET_FRACTION = 0.75
+# Largest float32 logit tile [block_t, block_v]: past a few MiB a bigger tile
+# only adds VMEM pressure, the MXU is already fed.
+MAX_LOGIT_TILE_BYTES = 4 * MIB
+BLOCK_T_CHOICES = (512, 256, 128)
+BLOCK_V_CHOICES = (4096, 2048, 1024, 512, 256, 128)
+# The chip planned for when none is named and no TPU is attached (interpret
+# mode in tests): its 128-wide MXU gives the smallest legal tiles.
+DEFAULT_CHIP = "v5e"
+# Targets per position the rank kernel's blocks are sized for (one lane tile).
+PLANNED_TARGETS = LANES
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChipSpec:
+  """What the planner and the roofline model need from one TensorCore."""
+
+  name: str
+  vmem_capacity_bytes: int
+  mxu_column_size: int
+  bf16_ops_per_second: float
+  mem_bw_bytes_per_second: float
+  hbm_capacity_bytes: int
+
+
+# Used only when the installed jax cannot describe a chip itself; the values
+# are the ones jax reports per TensorCore for these chips.
+_FALLBACK_CHIPS = {
+    "v4": ChipSpec(name="v4", vmem_capacity_bytes=16 * MIB, mxu_column_size=128,
+                   bf16_ops_per_second=1.375e14, mem_bw_bytes_per_second=6.15e11,
+                   hbm_capacity_bytes=17_200_000_000),
+    "v5e": ChipSpec(name="v5e", vmem_capacity_bytes=128 * MIB, mxu_column_size=128,
+                    bf16_ops_per_second=1.97e14, mem_bw_bytes_per_second=8.2e11,
+                    hbm_capacity_bytes=17_200_000_000),
+    "v5p": ChipSpec(name="v5p", vmem_capacity_bytes=64 * MIB, mxu_column_size=128,
+                    bf16_ops_per_second=2.295e14, mem_bw_bytes_per_second=1.23e12,
+                    hbm_capacity_bytes=51_500_000_000),
+    "v6e": ChipSpec(name="v6e", vmem_capacity_bytes=128 * MIB, mxu_column_size=256,
+                    bf16_ops_per_second=9.2e14, mem_bw_bytes_per_second=1.64e12,
+                    hbm_capacity_bytes=34_400_000_000),
+}
+
+
+def _spec_from_info(name: str, info) -> ChipSpec:
+  return ChipSpec(
+      name=name,
+      vmem_capacity_bytes=int(info.vmem_capacity_bytes),
+      mxu_column_size=int(info.mxu_column_size),
+      bf16_ops_per_second=float(info.bf16_ops_per_second),
+      mem_bw_bytes_per_second=float(info.mem_bw_bytes_per_second),
+      hbm_capacity_bytes=int(info.hbm_capacity_bytes),
+  )
+
+
+def chip_spec(chip: str | None = None) -> ChipSpec:
+  """One TensorCore of `chip` ("v4", "v5e", "v5p", "v6e", ...), or of the attached TPU.
+
+  With `chip=None`: the attached TPU (`pltpu.get_tpu_info()`), or `DEFAULT_CHIP`
+  when the default backend is not a TPU. Named chips come from
+  `pltpu.get_tpu_info_for_chip(ChipVersion(chip), 1)` (per TensorCore), or
+  from a small built-in table if this jax lacks it.
+
+  Raises:
+    ValueError: an unknown chip name (the message lists the known ones).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover
+    pltpu = None
+  if chip is None:
+    if jax.default_backend() == "tpu" and pltpu is not None:
+      info = pltpu.get_tpu_info()
+      return _spec_from_info(str(info.chip_version), info)
+    chip = DEFAULT_CHIP
+  versions = getattr(pltpu, "ChipVersion", None)
+  for_chip = getattr(pltpu, "get_tpu_info_for_chip", None)
+  if versions is not None and for_chip is not None:
+    known = [v.value for v in versions]
+    if chip not in known:
+      raise ValueError(f"chip must be one of {known} or None, got {chip!r}")
+    return _spec_from_info(chip, for_chip(versions(chip), 1))
+  if chip not in _FALLBACK_CHIPS:  # pragma: no cover
+    raise ValueError(f"chip must be one of {sorted(_FALLBACK_CHIPS)} or None, got {chip!r}")
+  return _FALLBACK_CHIPS[chip]  # pragma: no cover
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def sublane_rows(itemsize: int) -> int:
+  """Rows of one VMEM tile: 8 for 32-bit, 16 for 16-bit types."""
+  return SUBLANES * max(1, 4 // itemsize)
+
+
+def buffer_bytes(rows: int, cols: int, itemsize: int) -> int:
+  """VMEM bytes of a `[rows, cols]` buffer after padding to whole (sublane, lane) tiles."""
+  return _round_up(rows, sublane_rows(itemsize)) * _round_up(cols, LANES) * itemsize
+
+
+def vmem_estimate(
+    kernel: str, *, token_chunk: int, block_t: int, block_v: int, dim: int,
+    itemsize: int, num_targets: int = PLANNED_TARGETS,
+) -> int:
+  """Bytes of VMEM live at once in one of the TPU kernels (see docs/kernels.md).
+
+  Every BlockSpec'd operand is double-buffered by the Pallas pipeline, even
+  when its block index never changes. Elementwise temporaries of the logit
+  tile are counted as whole `[block_t, block_v]` float32 buffers, which is
+  what Mosaic materializes for a tile this size.
+
+  Args:
+    kernel: "forward", "backward" or "ranks".
+    token_chunk: token rows resident per grid step (the chunk).
+    block_t: token rows of one logit tile (the chunk is walked in these).
+    block_v: vocabulary rows per grid step.
+    dim: D, taken whole.
+    itemsize: bytes per element of hidden and table (2 for bf16, 4 for f32).
+    num_targets: L, for the rank kernel.
+  """
+  c, bt, bv, d, s = token_chunk, block_t, block_v, dim, itemsize
+  logit_tile = buffer_bytes(bt, bv, 4)  # one [block_t, block_v] f32 buffer
+  total = 0
+  total += 2 * buffer_bytes(c, d, s)  # hidden chunk block [chunk, D], x2 buffers
+  total += 2 * buffer_bytes(bv, d, s)  # table tile [block_v, D], x2 buffers
+  total += 2 * buffer_bytes(1, bv, 4)  # bias tile [1, block_v] f32, x2 buffers
+  total += buffer_bytes(bv, d, s)  # table tile with rows past V zeroed
+  total += buffer_bytes(bt, d, s)  # hidden sub-tile [block_t, D] fed to the MXU
+  if kernel == "forward":
+    total += 2 * 2 * buffer_bytes(c, 1, 4)  # softplus-sum and count outputs [chunk, 1], x2
+    total += 4 * logit_tile  # logits, softplus (exp, log1p temporaries), masked copy
+    total += logit_tile  # column-validity mask / iota [block_t, block_v] int32
+  elif kernel == "backward":
+    total += 2 * buffer_bytes(c, 1, 4)  # scale g_t [chunk, 1] f32, x2
+    total += 2 * buffer_bytes(c, d, 4)  # dh accumulator output block [chunk, D] f32, x2
+    total += 2 * buffer_bytes(bv, d, 4)  # dE input block (aliased, sparse part), x2
+    total += 2 * buffer_bytes(bv, d, 4)  # dE output block [block_v, D] f32, x2
+    total += 2 * 2 * buffer_bytes(1, bv, 4)  # db input and output blocks [1, block_v], x2
+    total += 4 * logit_tile  # logits, sigmoid, scaled and masked logit gradient
+    total += logit_tile  # validity mask / iota int32
+    total += 2 * buffer_bytes(bt, bv, s)  # logit gradient in MXU dtype and its transpose
+    total += buffer_bytes(bt, d, 4)  # dh update G @ E_tile [block_t, D] f32
+    total += buffer_bytes(bv, d, 4)  # dE update G^T @ H_sub [block_v, D] f32
+  elif kernel == "ranks":
+    total += 3 * 2 * buffer_bytes(c, num_targets, 4)  # target logits, ids, counts [chunk, L], x2
+    total += 4 * logit_tile  # logits, comparison, id and validity masks
+    total += 2 * buffer_bytes(bt, num_targets, 4)  # running counts and one target column
+  else:
+    raise ValueError(f"kernel must be 'forward', 'backward' or 'ranks', got {kernel!r}")
+  return total
+
+
+def plan_vmem_bytes(plan: TilePlan, dim: int, itemsize: int, num_targets: int = PLANNED_TARGETS) -> int:
+  """Largest `vmem_estimate` over the three TPU kernels for `plan`."""
+  return max(
+      vmem_estimate(
+          kernel, token_chunk=plan.token_chunk, block_t=plan.block_t,
+          block_v=plan.block_v, dim=dim, itemsize=itemsize, num_targets=num_targets,
+      )
+      for kernel in ("forward", "backward", "ranks")
+  )
+
+
+def vmem_budget(spec: ChipSpec) -> int:
+  """Bytes one kernel may use on `spec`: `VMEM_BUDGET_FRACTION` of its VMEM."""
+  return int(spec.vmem_capacity_bytes * VMEM_BUDGET_FRACTION) // MIB * MIB
+
+
+def _itemsize(dtype) -> int:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  dtype = jnp.dtype(dtype)
+  if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"dtype must be float32 or bfloat16 for the TPU kernels, got {dtype}")
+  del np
+  return dtype.itemsize
+
+
+def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None = None) -> TilePlan:
+  """Tile sizes for the Pallas TPU kernels, chosen at trace time from the chip's VMEM.
+
+  The token side is walked in chunks of `token_chunk` rows held in VMEM for a
+  whole sweep of the vocabulary (the table is read once per chunk), and each
+  chunk in logit tiles of `[block_t, block_v]`. The planner prefers, in order:
+  the fewest token chunks (HBM traffic on the table), then the largest logit
+  tile up to `MAX_LOGIT_TILE_BYTES`, then the widest `block_v` (fewer grid
+  steps). Every candidate's VMEM is `vmem_estimate` of the heaviest kernel.
+
+  Args:
+    num_tokens: T, positions after flattening.
+    vocab: V, catalog rows.
+    dim: D, hidden size (taken whole by every block).
+    dtype: float32 or bfloat16, of hidden and table.
+    chip: "v4", "v5e", "v5p", "v6e" (or newer ones the installed jax knows),
+      or None for the attached TPU (`DEFAULT_CHIP` off-TPU).
+
+  Returns:
+    A `TilePlan` whose `block_t` and `block_v` are multiples of the chip's
+    MXU width, `token_chunk` a multiple of `block_t`, and `vmem_limit_bytes`
+    the budget the estimate stays under.
+
+  Raises:
+    ValueError: bad arguments, or no legal plan fits the budget (the message
+      names the chip, the shapes and the budget).
+
+  Example:
+    >>> import cutbce
+    >>> plan = cutbce.plan_tiles(4096, 876_939, 128, "bfloat16", chip="v6e")
+    >>> plan.block_v % 256, plan.token_chunk
+    (0, 4096)
+  """
+  for name, value in (("num_tokens", num_tokens), ("vocab", vocab), ("dim", dim)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+  itemsize = _itemsize(dtype)
+  spec = chip_spec(chip)
+  budget = vmem_budget(spec)
+  mxu = spec.mxu_column_size
+  tokens_padded = _round_up(num_tokens, mxu)
+  vocab_padded = _round_up(vocab, mxu)
+  best, best_key = None, None
+  for block_t in sorted({min(bt, tokens_padded) for bt in BLOCK_T_CHOICES if bt % mxu == 0}):
+    for block_v in sorted({min(bv, vocab_padded) for bv in BLOCK_V_CHOICES if bv % mxu == 0}):
+      if 4 * block_t * block_v > MAX_LOGIT_TILE_BYTES:
+        continue
+      chunk = _largest_chunk(num_tokens, block_t, block_v, dim, itemsize, budget)
+      if chunk is None:
+        continue
+      key = (-(-num_tokens // chunk), -block_t * block_v, -block_v)
+      if best_key is None or key < best_key:
+        best_key = key
+        best = TilePlan(block_v=block_v, block_t=block_t, token_chunk=chunk,
+                        vmem_limit_bytes=budget)
+  if best is None:
+    smallest = plan_vmem_bytes(
+        TilePlan(block_v=mxu, block_t=mxu, token_chunk=mxu), dim, itemsize
+    )
+    raise ValueError(
+        f"no TPU tile plan fits chip {spec.name}: T={num_tokens}, V={vocab}, D={dim}, "
+        f"dtype={dtype}; the smallest legal tiles (block_t=block_v=token_chunk={mxu}) "
+        f"need {smallest / MIB:.1f} MiB of VMEM, the budget is {budget / MIB:.1f} MiB "
+        f"({VMEM_BUDGET_FRACTION:.0%} of {spec.vmem_capacity_bytes / MIB:.0f} MiB)"
+    )
+  return best
+
+
+def _largest_chunk(num_tokens, block_t, block_v, dim, itemsize, budget):
+  """Largest multiple of `block_t` (up to T rounded up) whose estimate fits, or None."""
+  most = _round_up(num_tokens, block_t) // block_t
+
+  def fits(multiple):
+    plan = TilePlan(block_v=block_v, block_t=block_t, token_chunk=multiple * block_t)
+    return plan_vmem_bytes(plan, dim, itemsize) <= budget
+
+  if not fits(1):
+    return None
+  low, high = 1, most  # the estimate grows with the chunk: bisect
+  while low < high:
+    mid = (low + high + 1) // 2
+    if fits(mid):
+      low = mid
+    else:
+      high = mid - 1
+  return low * block_t

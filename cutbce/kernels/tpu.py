@@ -1,0 +1,567 @@
+"""Pallas TPU (Mosaic) kernels: logit tiles live only in VMEM, in both passes.
+
+Honours the backend contract written in `cutbce/kernels/xla.py` (forward,
+backward, rank_counts, default_plan) on flattened `[T, D]` tokens. Off a TPU
+every kernel runs in TPU interpret mode, which simulates VMEM and the DMA
+pipeline on CPU (and fills out-of-bounds reads with NaN, so a missing mask
+shows up in tests); on a TPU they are compiled by Mosaic.
+
+Layout shared by the three kernels (see docs/kernels.md for the VMEM budget):
+
+  * The token side is cut into chunks of `token_chunk` rows. A chunk's hidden
+    block `[chunk, D]` stays in VMEM for a whole sweep of the vocabulary, so
+    the table is read from HBM once per chunk. Inside a grid step the chunk is
+    walked in sub-tiles of `block_t` rows, so one logit tile is
+    `[block_t, block_v]` float32 whatever the chunk size.
+  * D is taken whole (block dim = array dim): the table is never padded.
+  * The ragged last vocabulary tile is masked in the kernel: table rows past V
+    are zeroed (0 x garbage would be NaN) and logit columns past V dropped.
+    The ragged token count is masked where tokens are contracted (the dE
+    matmul); elsewhere rows past T only reach output rows that are clipped
+    when the block is written back.
+
+Forward, grid (token chunks "parallel", vocab tiles "arbitrary"): per-token
+sum_v softplus(x_tv) (and #{x_tv > 0}) accumulate in the `[chunk, 1]` output
+blocks, whose index does not change along the vocab axis, so they stay in
+VMEM and are written back once. One matmul per tile.
+
+Backward, one call per token chunk, grid (vocab tiles "arbitrary"): each step
+recomputes the logit tile, forms G = g_t sigmoid(x_tv) and does two more
+matmuls: dh_chunk += G @ E_tile into a float32 `[chunk, D]` output block with
+a constant index (resident in VMEM for the whole sweep, written back once),
+and dE_tile = given + G^T @ H_chunk into a `[block_v, D]` float32 output block
+written once per step. The given (sparse) table gradient comes in aliased to
+the dE output (`input_output_aliases`), so the dense part is added in place:
+no `[V, D]` temporary, no per-vocab-tile partials, nothing of size T x V.
+Three matmuls per tile instead of the four of split dh / dE kernels. Chunks
+run one after another (each reads and writes dE once), which is the outer
+loop over token chunks when the token side does not fit VMEM.
+
+Rank counts, grid (token chunks "parallel", vocab tiles "arbitrary"): one
+matmul per tile, then for each of the L targets a comparison of the tile with
+the target's logit; counts accumulate in the `[chunk, L]` int32 output block.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from cutbce.kernels import tiling
+from cutbce.kernels.tiling import TilePlan
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# Above this many targets per position the rank kernel's unrolled comparison
+# loop grows the program too much; the XLA path handles those.
+MAX_RANK_TARGETS = tiling.LANES
+NT_DIMS = (((1,), (1,)), ((), ()))  # [M, K] x [N, K] -> [M, N]
+
+
+def _interpret():
+  """Compiled on a TPU, TPU interpret mode everywhere else."""
+  return False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+# --------------------------------------------------------------------------- #
+# Support checks and plans.                                                    #
+# --------------------------------------------------------------------------- #
+
+
+def unsupported_reason(num_tokens, vocab, dim, hidden_dtype, table_dtype, plan=None) -> str | None:
+  """Why these inputs cannot run on the TPU kernels, or None when they can."""
+  hidden_dtype, table_dtype = jnp.dtype(hidden_dtype), jnp.dtype(table_dtype)
+  if hidden_dtype != table_dtype or hidden_dtype not in SUPPORTED_DTYPES:
+    return (
+        "the Pallas TPU kernels take hidden and table of one dtype, float32 or "
+        f"bfloat16; got hidden {hidden_dtype} and table {table_dtype}"
+    )
+  if num_tokens < 1:
+    return f"the Pallas TPU kernels need at least one token, got T={num_tokens}"
+  if plan is None:
+    try:
+      tiling.plan_tiles(num_tokens, vocab, dim, hidden_dtype)
+    except ValueError as error:
+      return str(error)
+  return None
+
+
+def _check_supported(hidden, table, plan=None):
+  reason = unsupported_reason(
+      hidden.shape[0], table.shape[0], table.shape[1], hidden.dtype, table.dtype, plan
+  )
+  if reason is not None:
+    raise NotImplementedError(reason)
+
+
+def default_plan(num_tokens: int, vocab: int, dim: int, dtype) -> TilePlan:
+  """`tiling.plan_tiles` for the attached TPU (the default chip off-TPU).
+
+  Raises:
+    NotImplementedError: the dtype is not float32/bfloat16 or no plan fits.
+  """
+  if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+    raise NotImplementedError(
+        f"the Pallas TPU kernels take float32 or bfloat16, got {jnp.dtype(dtype)}"
+    )
+  try:
+    return tiling.plan_tiles(num_tokens, vocab, dim, dtype)
+  except ValueError as error:
+    raise NotImplementedError(str(error)) from error
+
+
+class _Geometry(NamedTuple):
+  """Static tiling of one call, after clamping the plan to the shapes."""
+
+  num_tokens: int  # T
+  vocab: int  # V
+  chunk: int  # token rows per chunk (a multiple of block_t)
+  block_t: int  # token rows per logit tile
+  block_v: int  # vocab rows per grid step (V itself when one tile covers V)
+  num_chunks: int
+  num_subtiles: int  # chunk // block_t
+  num_vocab_tiles: int
+  vmem_limit_bytes: int
+
+  @property
+  def ragged_vocab(self) -> bool:
+    return self.vocab % self.block_v != 0
+
+
+def _geometry(plan: TilePlan, hidden, table, kernel: str, num_targets: int = 0) -> _Geometry:
+  """Clamps `plan` to the shapes, checks layout legality and the VMEM estimate.
+
+  Raises:
+    ValueError: the plan breaks a layout rule or its estimate exceeds its VMEM
+      limit (the message names the plan, shapes and budget).
+  """
+  num_tokens, (vocab, dim) = hidden.shape[0], table.shape
+  itemsize = hidden.dtype.itemsize
+  if plan.block_t is None or plan.token_chunk is None or plan.vmem_limit_bytes is None:
+    planned = default_plan(num_tokens, vocab, dim, hidden.dtype)
+    plan = TilePlan(
+        block_v=plan.block_v,
+        block_t=plan.block_t or planned.block_t,
+        token_chunk=plan.token_chunk or max(planned.token_chunk, plan.block_t or 0),
+        vmem_limit_bytes=plan.vmem_limit_bytes or planned.vmem_limit_bytes,
+    )
+  sublanes = tiling.sublane_rows(itemsize)
+  problems = []
+  if plan.block_v % tiling.LANES:
+    problems.append(f"block_v={plan.block_v} is not a multiple of {tiling.LANES}")
+  if plan.block_t % sublanes:
+    problems.append(f"block_t={plan.block_t} is not a multiple of {sublanes} for {hidden.dtype}")
+  if plan.token_chunk % plan.block_t:
+    problems.append(f"token_chunk={plan.token_chunk} is not a multiple of block_t={plan.block_t}")
+  if problems:
+    raise ValueError(f"TilePlan {plan} cannot tile T={num_tokens}, V={vocab}: " + "; ".join(problems))
+  block_t = min(plan.block_t, tiling._round_up(num_tokens, sublanes))  # pylint: disable=protected-access
+  chunk = min(plan.token_chunk, tiling._round_up(num_tokens, block_t))  # pylint: disable=protected-access
+  chunk = chunk // block_t * block_t
+  block_v = plan.block_v if plan.block_v < vocab else vocab
+  estimate = tiling.vmem_estimate(
+      kernel, token_chunk=chunk, block_t=block_t, block_v=block_v, dim=dim,
+      itemsize=itemsize, num_targets=max(num_targets, 1),
+  )
+  if estimate > plan.vmem_limit_bytes:
+    raise ValueError(
+        f"TilePlan {plan} needs {estimate / tiling.MIB:.1f} MiB of VMEM for the {kernel} "
+        f"kernel at T={num_tokens}, V={vocab}, D={dim}, {hidden.dtype}, over its "
+        f"vmem_limit_bytes of {plan.vmem_limit_bytes / tiling.MIB:.1f} MiB"
+    )
+  return _Geometry(
+      num_tokens=num_tokens, vocab=vocab, chunk=chunk, block_t=block_t, block_v=block_v,
+      num_chunks=_cdiv(num_tokens, chunk), num_subtiles=chunk // block_t,
+      num_vocab_tiles=_cdiv(vocab, block_v), vmem_limit_bytes=plan.vmem_limit_bytes,
+  )
+
+
+def _compiler_params(geom: _Geometry, semantics):
+  return pltpu.CompilerParams(
+      dimension_semantics=semantics, vmem_limit_bytes=geom.vmem_limit_bytes
+  )
+
+
+# --------------------------------------------------------------------------- #
+# Pieces shared by the kernel bodies.                                          #
+# --------------------------------------------------------------------------- #
+
+
+def _table_tile(table_ref, vocab_index, geom: _Geometry):
+  """`[block_v, D]` table tile with rows past V zeroed on the ragged last tile."""
+  table = table_ref[...]
+  if not geom.ragged_vocab:
+    return table
+  rows = vocab_index * geom.block_v + lax.broadcasted_iota(jnp.int32, (geom.block_v, 1), 0)
+  return jnp.where(rows < geom.vocab, table, jnp.zeros_like(table))
+
+
+def _column_ids(vocab_index, geom: _Geometry):
+  """`[1, block_v]` int32 item ids of the tile's columns."""
+  return vocab_index * geom.block_v + lax.broadcasted_iota(jnp.int32, (1, geom.block_v), 1)
+
+
+def _tile_logits(hidden, table, bias_ref):
+  """`[block_t, block_v]` float32 logits h . e (+ b) on the MXU."""
+  logits = lax.dot_general(hidden, table, NT_DIMS, preferred_element_type=jnp.float32)
+  if bias_ref is not None:
+    logits = logits + bias_ref[...]  # [1, block_v] f32
+  return logits
+
+
+def _softplus(x):
+  # softplus(x) = log(1 + e^x) = max(x, 0) + log1p(e^-|x|): no overflow, and
+  # log1p keeps the small tail accurate for very negative logits.
+  return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def _row_slice(subtile, geom: _Geometry):
+  if geom.num_subtiles == 1:
+    return slice(None)
+  return pl.ds(pl.multiple_of(subtile * geom.block_t, geom.block_t), geom.block_t)
+
+
+def _for_each_subtile(count: int, body):
+  """Runs `body(subtile)` for subtile in [0, count): unrolled when count is 1."""
+  if count == 1:
+    body(0)
+    return
+
+  def step(subtile, carry):
+    body(subtile)
+    return carry
+
+  lax.fori_loop(0, count, step, 0)
+
+
+# --------------------------------------------------------------------------- #
+# Forward.                                                                     #
+# --------------------------------------------------------------------------- #
+
+
+def _forward_kernel(*refs, geom: _Geometry, has_bias: bool, with_counts: bool):
+  refs = list(refs)
+  hidden_ref = refs.pop(0)  # [chunk, D]
+  table_ref = refs.pop(0)  # [block_v, D]
+  bias_ref = refs.pop(0) if has_bias else None  # [1, block_v] f32
+  softplus_ref = refs.pop(0)  # [chunk, 1] f32, resident along the vocab axis
+  count_ref = refs.pop(0) if with_counts else None  # [chunk, 1] int32
+  vocab_index = pl.program_id(1)
+
+  @pl.when(vocab_index == 0)
+  def init():
+    softplus_ref[...] = jnp.zeros_like(softplus_ref)
+    if with_counts:
+      count_ref[...] = jnp.zeros_like(count_ref)
+
+  table = _table_tile(table_ref, vocab_index, geom)  # [block_v, D]
+  valid = _column_ids(vocab_index, geom) < geom.vocab if geom.ragged_vocab else None
+
+  def accumulate(subtile):
+    rows = _row_slice(subtile, geom)
+    logits = _tile_logits(hidden_ref[rows, :], table, bias_ref)  # [block_t, block_v]
+    softplus = _softplus(logits)
+    if valid is not None:
+      softplus = jnp.where(valid, softplus, 0.0)
+    # Row sums in float32: each tile adds at most block_v terms to the
+    # per-token total, itself float32 across tiles.
+    softplus_ref[rows, :] += jnp.sum(softplus, axis=1, keepdims=True)
+    if with_counts:
+      positive = logits > 0.0
+      if valid is not None:
+        positive = positive & valid
+      # Summed as float32 (exact up to 2^24 > block_v), stored as int32.
+      count_ref[rows, :] += jnp.sum(
+          positive.astype(jnp.float32), axis=1, keepdims=True
+      ).astype(jnp.int32)
+
+  _for_each_subtile(geom.num_subtiles, accumulate)
+
+
+@functools.partial(jax.named_call, name="cutbce_tpu_forward")
+def forward(hidden, table, bias, *, plan: TilePlan, with_counts: bool):
+  """sum_v softplus(x_tv) `[T]` f32 and #{x_tv > 0} `[T]` int32 (or None)."""
+  _check_supported(hidden, table, plan)
+  geom = _geometry(plan, hidden, table, "forward")
+  num_tokens, dim = hidden.shape
+  has_bias = bias is not None
+  hidden_index_map = lambda chunk, tile: (chunk, 0)
+  table_index_map = lambda chunk, tile: (tile, 0)
+  bias_index_map = lambda chunk, tile: (0, tile)
+  in_specs = [
+      pl.BlockSpec((geom.chunk, dim), hidden_index_map),
+      pl.BlockSpec((geom.block_v, dim), table_index_map),
+  ]
+  operands = [hidden, table]
+  if has_bias:
+    in_specs.append(pl.BlockSpec((1, geom.block_v), bias_index_map))
+    operands.append(bias.astype(jnp.float32).reshape(1, -1))
+  token_spec = pl.BlockSpec((geom.chunk, 1), hidden_index_map)
+  out_specs = [token_spec]
+  out_shape = [jax.ShapeDtypeStruct((num_tokens, 1), jnp.float32)]
+  if with_counts:
+    out_specs.append(token_spec)
+    out_shape.append(jax.ShapeDtypeStruct((num_tokens, 1), jnp.int32))
+  vocab = table.shape[0]
+  outputs = pl.pallas_call(
+      functools.partial(_forward_kernel, geom=geom, has_bias=has_bias, with_counts=with_counts),
+      grid=(geom.num_chunks, geom.num_vocab_tiles),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=_compiler_params(geom, (pltpu.PARALLEL, pltpu.ARBITRARY)),
+      cost_estimate=pl.CostEstimate(
+          flops=2 * num_tokens * vocab * dim,
+          transcendentals=2 * num_tokens * vocab,
+          bytes_accessed=geom.num_chunks * table.size * table.dtype.itemsize
+          + hidden.size * hidden.dtype.itemsize,
+      ),
+      interpret=_interpret(),
+      name=f"cutbce_forward_bt{geom.block_t}_bv{geom.block_v}_chunk{geom.chunk}",
+  )(*operands)
+  softplus_sum = outputs[0][:, 0]
+  positive_count = outputs[1][:, 0] if with_counts else None
+  return softplus_sum, positive_count
+
+
+# --------------------------------------------------------------------------- #
+# Backward.                                                                    #
+# --------------------------------------------------------------------------- #
+
+
+def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool):
+  refs = list(refs)
+  hidden_ref = refs.pop(0)  # [chunk, D]
+  scale_ref = refs.pop(0)  # [chunk, 1] f32, g_t
+  table_ref = refs.pop(0)  # [block_v, D]
+  bias_ref = refs.pop(0) if has_bias else None  # [1, block_v] f32
+  table_grad_in_ref = refs.pop(0)  # [block_v, D] f32, the given (sparse) part
+  bias_grad_in_ref = refs.pop(0) if has_bias else None  # [1, block_v] f32
+  hidden_grad_ref = refs.pop(0)  # [chunk, D] f32 accumulator, resident all sweep
+  table_grad_ref = refs.pop(0)  # [block_v, D] f32, written once per step
+  bias_grad_ref = refs.pop(0) if has_bias else None  # [1, block_v] f32
+  vocab_index = pl.program_id(0)
+  compute_dtype = table_ref.dtype
+
+  @pl.when(vocab_index == 0)
+  def init():
+    hidden_grad_ref[...] = jnp.zeros_like(hidden_grad_ref)
+
+  table = _table_tile(table_ref, vocab_index, geom)  # [block_v, D]
+  valid = _column_ids(vocab_index, geom) < geom.vocab if geom.ragged_vocab else None
+  table_grad_ref[...] = table_grad_in_ref[...]
+  if has_bias:
+    bias_grad_ref[...] = bias_grad_in_ref[...]
+
+  def accumulate(subtile, valid_rows=None):
+    rows = _row_slice(subtile, geom)
+    hidden = hidden_ref[rows, :]  # [block_t, D]
+    scale = scale_ref[rows, :]  # [block_t, 1]
+    if valid_rows is not None:
+      # Rows past T hold garbage: zero them before they are contracted.
+      row_ok = lax.broadcasted_iota(jnp.int32, (geom.block_t, 1), 0) < valid_rows
+      hidden = jnp.where(row_ok, hidden, jnp.zeros_like(hidden))
+      scale = jnp.where(row_ok, scale, 0.0)
+    logits = _tile_logits(hidden, table, bias_ref)  # [block_t, block_v] f32
+    # d l_t / d x_tv of the dense background is sigmoid(x_tv), times g_t.
+    grad = scale * jax.nn.sigmoid(logits)  # [block_t, block_v] f32
+    if valid is not None:
+      grad = jnp.where(valid, grad, 0.0)
+    grad_mxu = grad.astype(compute_dtype)
+    hidden_grad_ref[rows, :] += lax.dot(
+        grad_mxu, table, preferred_element_type=jnp.float32
+    )  # [block_t, D]
+    table_grad_ref[...] += lax.dot(
+        grad_mxu.T, hidden, preferred_element_type=jnp.float32
+    )  # [block_v, D]
+    if has_bias:
+      bias_grad_ref[...] += jnp.sum(grad, axis=0, keepdims=True)  # [1, block_v]
+
+  # Static per call: sub-tiles wholly inside T run unmasked, the one
+  # straddling T (last chunk only) masks its rows, those past T are skipped.
+  full, rest = divmod(rows_in_chunk, geom.block_t)
+  if full:
+    _for_each_subtile(full, accumulate)
+  if rest:
+    accumulate(full, valid_rows=rest)
+
+
+@functools.partial(jax.named_call, name="cutbce_tpu_backward")
+def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePlan):
+  """dh `[T, D]` f32; `table_grad` (+ dense part) `[V, D]` f32; `bias_grad` `[V]` or None."""
+  _check_supported(hidden, table, plan)
+  geom = _geometry(plan, hidden, table, "backward")
+  num_tokens, dim = hidden.shape
+  vocab = table.shape[0]
+  has_bias = bias is not None
+  scale = scale.astype(jnp.float32).reshape(num_tokens, 1)
+  table_grad = table_grad.astype(jnp.float32)
+  bias_row = bias.astype(jnp.float32).reshape(1, vocab) if has_bias else None
+  bias_grad_row = bias_grad.astype(jnp.float32).reshape(1, vocab) if has_bias else None
+  # TPU interpret mode in this jax returns an aliased output at its padded
+  # shape when the block does not divide it; there (and only there) the
+  # ragged case takes the gradient through a fresh output instead. Same
+  # kernel, same numerics; compiled on a TPU the update is always in place.
+  alias = not (_interpret() and geom.ragged_vocab)
+  hidden_grads = []
+
+  for chunk in range(geom.num_chunks):  # the outer loop over token chunks
+    rows_in_chunk = min(geom.chunk, num_tokens - chunk * geom.chunk)
+    hidden_index_map = lambda tile, chunk=chunk: (chunk, 0)
+    table_index_map = lambda tile: (tile, 0)
+    bias_index_map = lambda tile: (0, tile)
+    in_specs = [
+        pl.BlockSpec((geom.chunk, dim), hidden_index_map),
+        pl.BlockSpec((geom.chunk, 1), hidden_index_map),
+        pl.BlockSpec((geom.block_v, dim), table_index_map),
+    ]
+    operands = [hidden, scale, table]
+    if has_bias:
+      in_specs.append(pl.BlockSpec((1, geom.block_v), bias_index_map))
+      operands.append(bias_row)
+    aliases = {len(operands): 1}  # given table_grad -> dE output, updated in place
+    in_specs.append(pl.BlockSpec((geom.block_v, dim), table_index_map))
+    operands.append(table_grad)
+    if has_bias:
+      aliases[len(operands)] = 2
+      in_specs.append(pl.BlockSpec((1, geom.block_v), bias_index_map))
+      operands.append(bias_grad_row)
+    out_specs = [
+        # This chunk's dh: one block, constant index, resident for the sweep.
+        pl.BlockSpec((geom.chunk, dim), lambda tile: (0, 0)),
+        pl.BlockSpec((geom.block_v, dim), table_index_map),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((rows_in_chunk, dim), jnp.float32),
+        jax.ShapeDtypeStruct((vocab, dim), jnp.float32),
+    ]
+    if has_bias:
+      out_specs.append(pl.BlockSpec((1, geom.block_v), bias_index_map))
+      out_shape.append(jax.ShapeDtypeStruct((1, vocab), jnp.float32))
+    outputs = pl.pallas_call(
+        functools.partial(
+            _backward_kernel, geom=geom, rows_in_chunk=rows_in_chunk, has_bias=has_bias
+        ),
+        grid=(geom.num_vocab_tiles,),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases if alias else {},
+        compiler_params=_compiler_params(geom, (pltpu.ARBITRARY,)),
+        cost_estimate=pl.CostEstimate(
+            flops=3 * 2 * rows_in_chunk * vocab * dim,
+            transcendentals=rows_in_chunk * vocab,
+            bytes_accessed=table.size * table.dtype.itemsize + 2 * table_grad.size * 4
+            + rows_in_chunk * dim * (hidden.dtype.itemsize + 4),
+        ),
+        interpret=_interpret(),
+        name=f"cutbce_backward_bt{geom.block_t}_bv{geom.block_v}_chunk{geom.chunk}",
+    )(*operands)
+    hidden_grads.append(outputs[0])
+    table_grad = outputs[1]
+    if has_bias:
+      bias_grad_row = outputs[2]
+  # [T, D] f32: the chunks' dh side by side (no copy with a single chunk).
+  hidden_grad = hidden_grads[0] if len(hidden_grads) == 1 else jnp.concatenate(hidden_grads)
+  bias_grad = bias_grad_row.reshape(vocab) if has_bias else None
+  return hidden_grad, table_grad, bias_grad
+
+
+# --------------------------------------------------------------------------- #
+# Rank counts.                                                                 #
+# --------------------------------------------------------------------------- #
+
+
+def _rank_kernel(*refs, geom: _Geometry, has_bias: bool, num_targets: int):
+  refs = list(refs)
+  hidden_ref = refs.pop(0)  # [chunk, D]
+  table_ref = refs.pop(0)  # [block_v, D]
+  bias_ref = refs.pop(0) if has_bias else None  # [1, block_v] f32
+  target_logits_ref = refs.pop(0)  # [chunk, L] f32
+  target_ids_ref = refs.pop(0)  # [chunk, L] int32
+  count_ref = refs.pop(0)  # [chunk, L] int32, resident along the vocab axis
+  vocab_index = pl.program_id(1)
+
+  @pl.when(vocab_index == 0)
+  def init():
+    count_ref[...] = jnp.zeros_like(count_ref)
+
+  table = _table_tile(table_ref, vocab_index, geom)
+  column_ids = _column_ids(vocab_index, geom)  # [1, block_v]
+  valid = column_ids < geom.vocab if geom.ragged_vocab else None
+  lanes = lax.broadcasted_iota(jnp.int32, (1, num_targets), 1)
+
+  def accumulate(subtile):
+    rows = _row_slice(subtile, geom)
+    logits = _tile_logits(hidden_ref[rows, :], table, bias_ref)  # [block_t, block_v]
+    target_logits = target_logits_ref[rows, :]  # [block_t, L]
+    target_ids = target_ids_ref[rows, :]  # [block_t, L]
+    counts = jnp.zeros((geom.block_t, num_targets), jnp.float32)
+    for target in range(num_targets):  # L is small and static: unrolled
+      # A target's own column is left out (as in the XLA path), so its rank
+      # does not depend on the tile and the gather rounding x_tp alike.
+      larger = (logits > target_logits[:, target:target + 1]) & (
+          column_ids != target_ids[:, target:target + 1]
+      )  # [block_t, block_v]
+      if valid is not None:
+        larger = larger & valid
+      count = jnp.sum(larger.astype(jnp.float32), axis=1, keepdims=True)  # [block_t, 1]
+      counts = jnp.where(lanes == target, count, counts)
+    count_ref[rows, :] += counts.astype(jnp.int32)
+
+  _for_each_subtile(geom.num_subtiles, accumulate)
+
+
+@functools.partial(jax.named_call, name="cutbce_tpu_rank_counts")
+def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePlan):
+  """`[T, L]` int32 #{v != target_ids[t, l] : x_tv > target_logits[t, l]}."""
+  _check_supported(hidden, table, plan)
+  num_tokens, dim = hidden.shape
+  num_targets = target_logits.shape[1]
+  if num_targets > MAX_RANK_TARGETS:
+    raise NotImplementedError(
+        f"the Pallas TPU rank kernel takes at most {MAX_RANK_TARGETS} targets per "
+        f"position, got L={num_targets}"
+    )
+  geom = _geometry(plan, hidden, table, "ranks", num_targets)
+  has_bias = bias is not None
+  hidden_index_map = lambda chunk, tile: (chunk, 0)
+  table_index_map = lambda chunk, tile: (tile, 0)
+  bias_index_map = lambda chunk, tile: (0, tile)
+  in_specs = [
+      pl.BlockSpec((geom.chunk, dim), hidden_index_map),
+      pl.BlockSpec((geom.block_v, dim), table_index_map),
+  ]
+  operands = [hidden, table]
+  if has_bias:
+    in_specs.append(pl.BlockSpec((1, geom.block_v), bias_index_map))
+    operands.append(bias.astype(jnp.float32).reshape(1, -1))
+  target_spec = pl.BlockSpec((geom.chunk, num_targets), hidden_index_map)
+  in_specs += [target_spec, target_spec]
+  operands += [target_logits.astype(jnp.float32), target_ids.astype(jnp.int32)]
+  vocab = table.shape[0]
+  return pl.pallas_call(
+      functools.partial(_rank_kernel, geom=geom, has_bias=has_bias, num_targets=num_targets),
+      grid=(geom.num_chunks, geom.num_vocab_tiles),
+      in_specs=in_specs,
+      out_specs=target_spec,
+      out_shape=jax.ShapeDtypeStruct((num_tokens, num_targets), jnp.int32),
+      compiler_params=_compiler_params(geom, (pltpu.PARALLEL, pltpu.ARBITRARY)),
+      cost_estimate=pl.CostEstimate(
+          flops=2 * num_tokens * vocab * dim,
+          transcendentals=0,
+          bytes_accessed=geom.num_chunks * table.size * table.dtype.itemsize
+          + hidden.size * hidden.dtype.itemsize,
+      ),
+      interpret=_interpret(),
+      name=f"cutbce_ranks_bt{geom.block_t}_bv{geom.block_v}_chunk{geom.chunk}",
+  )(*operands)
