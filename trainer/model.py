@@ -7,8 +7,9 @@ states `[B, N, D]`, never logits. Positions are learned. Every block is
     x = x + Dropout(SelfAttention(LayerNorm(x)), causal, padding keys masked)
     x = x + Dropout(FeedForward(LayerNorm(x)))
 
-followed by a final LayerNorm. Input ids below 0 are padding: their embedding
-is zero and no position attends to them.
+followed by a final LayerNorm. Input ids outside [0, V) are padding (the data
+pipeline pads with V): their embedding is zero and no other position attends
+to them.
 
 Parameters are float32; `dtype` sets the compute dtype (float32 or bfloat16)
 of activations and of the returned hidden states. Dropout takes its key from
@@ -61,7 +62,7 @@ class Block(nnx.Module):
     self.attention_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
     self.attention = nnx.MultiHeadAttention(
         num_heads=num_heads, in_features=dim, dtype=dtype, dropout_rate=dropout_rate,
-        broadcast_dropout=False, decode=False, rngs=rngs,
+        broadcast_dropout=False, decode=False, keep_rngs=False, rngs=rngs,
     )
     self.mlp_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
     self.mlp = FeedForward(dim, mlp_dim, dtype=dtype, rngs=rngs)
@@ -125,7 +126,7 @@ class SASRec(nnx.Module):
     """Hidden states of a batch of item sequences.
 
     Args:
-      inputs: int `[B, N]` item ids; ids < 0 are padding.
+      inputs: int `[B, N]` item ids; ids outside [0, V) are padding.
       deterministic: disables dropout when True.
       rngs: `nnx.Rngs(dropout=key)`, required when `deterministic` is False.
 
@@ -133,7 +134,7 @@ class SASRec(nnx.Module):
       `[B, N, D]` hidden states in the compute dtype (zero-masked padding
       positions are still returned; their loss weights are 0).
     """
-    valid = inputs >= 0  # [B, N]
+    valid = (inputs >= 0) & (inputs < self.num_items)  # [B, N]
     ids = jnp.where(valid, inputs, 0)
     x = getattr(self, ITEM_EMBEDDING)(ids) * jnp.asarray(self.dim ** 0.5, self.dtype)
     x = x * valid[..., None].astype(self.dtype)

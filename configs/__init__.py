@@ -1,0 +1,1 @@
+"""Trainer configs, one `get_config()` per file."""

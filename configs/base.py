@@ -1,0 +1,101 @@
+"""Base trainer config: every field, with defaults the variants override.
+
+Not meant to be run by itself (it trains a small synthetic set); the runnable
+configs import it and change a few fields. Every field is documented here.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  # Seed of parameter init, dropout and the data shuffle.
+  config.seed = 0
+  # Optimizer steps to train for.
+  config.train_steps = 1_000
+  # Global training batch (sequences per step, all processes together).
+  config.batch_size = 64
+  # Global evaluation batch (users per step).
+  config.eval_batch_size = 256
+  # N: inputs per training window and per evaluation history.
+  config.seq_len = 50
+  # L: next items per position used as positive labels.
+  config.num_targets = 1
+
+  # Device mesh: axis names and sizes (product = jax.device_count()), the axes
+  # that split the batch (tokens), and the axis splitting the item table by
+  # rows (None = replicated table).
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.axis_names = ("data",)
+  config.mesh.shape = (1,)
+  config.mesh.token_axes = ("data",)
+  config.mesh.vocab_axis = ml_collections.config_dict.placeholder(str)
+
+  # SASRec shape; dtype is the compute dtype ("float32" or "bfloat16").
+  config.model = ml_collections.ConfigDict()
+  config.model.dim = 64
+  config.model.num_layers = 2
+  config.model.num_heads = 1
+  config.model.mlp_dim = 256
+  config.model.dropout_rate = 0.2
+  config.model.dtype = "float32"
+
+  # AdamW with linear warm-up, then constant or cosine decay to 0; gradient
+  # clipping by global norm; weight decay on matrices only (not the item or
+  # position tables, not biases or LayerNorm).
+  config.optimizer = ml_collections.ConfigDict()
+  config.optimizer.learning_rate = 1e-3
+  config.optimizer.warmup_steps = 100
+  config.optimizer.schedule = "constant"
+  config.optimizer.b1 = 0.9
+  config.optimizer.b2 = 0.98
+  config.optimizer.weight_decay = 0.0
+  config.optimizer.clip_norm = 1.0
+
+  # Data: a `trainer.data` source, prepared once into `prepared_dir`
+  # (default WORKDIR/data; reused when its manifest exists).
+  config.data = ml_collections.ConfigDict()
+  config.data.dataset = "synthetic"
+  config.data.prepared_dir = ml_collections.config_dict.placeholder(str)
+  # Keyword options of the source loader (sizes and seed for synthetic, path
+  # for yambda, cache_dir for MovieLens).
+  config.data.source_options = ml_collections.ConfigDict(
+      {"num_users": 2_000, "num_items": 1_000, "interactions_per_user": 30, "seed": 0})
+  # None = the dataset's default filter (5 for MovieLens, none for synthetic).
+  config.data.min_item_count = ml_collections.config_dict.placeholder(int)
+  # "loo" (leave-one-out) or "gts" (global temporal split with split_options).
+  config.data.split = "loo"
+  config.data.split_options = ml_collections.ConfigDict()
+  # grain read threads and batches read ahead.
+  config.data.num_threads = 2
+  config.data.prefetch_buffer_size = 4
+
+  # Loss: cutbce backend ("auto", "xla", "pallas_tpu", "dense") and whether
+  # l_t is divided by V ("mean") or not ("sum").
+  config.loss = ml_collections.ConfigDict()
+  config.loss.backend = "auto"
+  config.loss.vocab_reduction = "sum"
+
+  # Evaluation: full-catalog ranks of held-out items.
+  config.eval = ml_collections.ConfigDict()
+  # "validation" during training; the final evaluation also runs "test".
+  config.eval.split = "validation"
+  # Exclude each user's history from the ranking (filter-seen protocol).
+  config.eval.filter_seen = True
+  # Cut-offs of recall, ndcg and hit.
+  config.eval.ks = (10, 50, 100)
+  # Evaluate at most this many global batches (None = every user).
+  config.eval.max_batches = ml_collections.config_dict.placeholder(int)
+  # Backend of the ranking pass (as config.loss.backend).
+  config.eval.backend = "auto"
+
+  # Every k steps: evaluate, checkpoint, log a progress line.
+  config.eval_every = 500
+  config.checkpoint_every = 500
+  config.log_every = 50
+  # Checkpoints kept (the newest ones).
+  config.max_checkpoints = 2
+  # jax.profiler trace of steps [start, start + num_steps) into WORKDIR/profile;
+  # num_steps = 0 disables it.
+  config.profile = ml_collections.ConfigDict({"start_step": 10, "num_steps": 0})
+  return config

@@ -1,0 +1,127 @@
+"""Full-catalog evaluation: ranks of held-out items among all V items.
+
+For each evaluation user the model reads the last N history items; the hidden
+state at the last position `[B, D]` is scored against the whole item table by
+`cutbce.sharding.sharded_target_ranks` (one tiled pass, no `[B, V]` logits, no
+top-k). With `filter_seen` the user's history is passed as `exclude`, so seen
+items are neither ranked nor counted above a target (the filter-seen protocol
+of SASRec-style evaluations); targets that are also in the history stay
+targets. `cutbce.rank_metrics` turns ranks into recall/ndcg/hit@k and mrr.
+
+Batch results are combined exactly: every metric is an average over users
+with a target, so the per-batch averages are weighted by their user counts.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import cutbce
+from trainer import train as train_lib
+
+
+def eval_step(params, batch, *, graphdef, settings: train_lib.StepSettings, filter_seen: bool,
+              ks: tuple[int, ...]):
+  """Metrics of one global batch: `rank_metrics` of the last-position ranks."""
+  model = nnx.merge(graphdef, params)
+  hidden = model(batch["inputs"], deterministic=True)[:, -1, :]  # [B, D]
+  table = model.item_table  # [V_padded, D]
+  targets = jnp.where(batch["weights"][:, None] > 0, batch["targets"], -1)  # [B, L]
+  exclude = batch["exclude"] if filter_seen else None  # [B, E]
+  padding = train_lib.padding_exclude(hidden.shape[:-1], settings.num_items, table.shape[0])
+  if padding is not None:
+    exclude = padding if exclude is None else jnp.concatenate([exclude, padding], axis=-1)
+  _, ranks_op = train_lib.sharded_ops()
+  ranks = ranks_op(hidden, table, targets, mesh=settings.mesh, token_axes=settings.token_axes,
+                   vocab_axis=settings.vocab_axis, exclude=exclude, backend=settings.backend)
+  return cutbce.rank_metrics(ranks, ks=ks)
+
+
+def jit_eval_step(graphdef, settings: train_lib.StepSettings, param_shardings, *,
+                  filter_seen: bool, ks: tuple[int, ...]) -> Callable:
+  step = functools.partial(eval_step, graphdef=graphdef, settings=settings,
+                           filter_seen=filter_seen, ks=tuple(ks))
+  return jax.jit(
+      step,
+      in_shardings=(param_shardings, train_lib.batch_sharding(settings.mesh, settings.token_axes)),
+      out_shardings=NamedSharding(settings.mesh, P()),
+  )
+
+
+def combine(batch_metrics: Iterable[dict]) -> dict[str, float]:
+  """Averages per-batch `rank_metrics` weighted by their `num_rows`."""
+  totals: dict[str, float] = {}
+  rows = 0.0
+  for metrics in batch_metrics:
+    metrics = jax.device_get(metrics)
+    count = float(metrics["num_rows"])
+    rows += count
+    for name, value in metrics.items():
+      if name != "num_rows":
+        totals[name] = totals.get(name, 0.0) + float(value) * count
+  result = {name: (total / rows if rows else 0.0) for name, total in totals.items()}
+  result["num_users"] = rows
+  return result
+
+
+def evaluate(step_fn: Callable, params, batches: Iterable[dict], to_global: Callable,
+             max_batches: int | None = None) -> dict[str, float]:
+  """Runs `step_fn` over the (per-process) batches and combines the metrics.
+
+  Args:
+    step_fn: from `jit_eval_step`.
+    params: the train state's params.
+    batches: per-process numpy batches of `trainer.data.eval_dataset`.
+    to_global: per-process batch -> dict of global arrays.
+    max_batches: stop after this many batches (None = all).
+
+  Returns:
+    dict: "recall@k", "ndcg@k", "hit@k" per k, "mrr", and "num_users".
+  """
+  results = []
+  for index, batch in enumerate(batches):
+    if max_batches is not None and index >= max_batches:
+      break
+    batch = {key: batch[key] for key in ("inputs", "targets", "exclude", "weights")}
+    results.append(step_fn(params, to_global(batch)))
+  return combine(results)
+
+
+def format_table(metrics_by_split: dict[str, dict[str, float]], ks=(10, 50, 100)) -> str:
+  """A fixed-width table: one row per split, recall/ndcg/hit@k and mrr columns."""
+  names = [f"{m}@{k}" for m in ("recall", "ndcg", "hit") for k in ks] + ["mrr"]
+  width = max(len(n) for n in names) + 1
+  lines = ["split".ljust(11) + "users".rjust(7) + "".join(n.rjust(width) for n in names)]
+  for split, metrics in metrics_by_split.items():
+    row = split.ljust(11) + f"{int(metrics.get('num_users', 0)):7d}"
+    row += "".join(f"{metrics.get(n, float('nan')):{width}.4f}" for n in names)
+    lines.append(row)
+  return "\n".join(lines)
+
+
+def numpy_ranks(hidden: np.ndarray, table: np.ndarray, targets: np.ndarray,
+                exclude: np.ndarray | None = None) -> np.ndarray:
+  """Brute-force reference of `target_ranks` on the host, for tests `[B, L]`."""
+  logits = hidden.astype(np.float64) @ table.astype(np.float64).T  # [B, V]
+  ranks = np.zeros(targets.shape, np.int32)
+  for row in range(targets.shape[0]):
+    allowed = np.ones(table.shape[0], bool)
+    if exclude is not None:
+      ids = exclude[row][(exclude[row] >= 0) & (exclude[row] < table.shape[0])]
+      allowed[ids] = False
+    # Excluded ids that are also targets stay targets (and count as items).
+    row_targets = targets[row][(targets[row] >= 0) & (targets[row] < table.shape[0])]
+    allowed[row_targets] = True
+    seen = set()
+    for col, target in enumerate(targets[row]):
+      if 0 <= target < table.shape[0] and target not in seen:
+        seen.add(int(target))
+        ranks[row, col] = 1 + np.sum(allowed & (logits[row] > logits[row, target]))
+  return ranks

@@ -1,0 +1,54 @@
+"""Command line: `python -m trainer.main --config=configs/X.py --workdir=DIR`.
+
+Override any config field with `--config.key=value` (for example
+`--config.train_steps=100 --config.mesh.shape='(2,4)'`). On several hosts (or
+several local processes) pass the coordinator flags, or nothing on Cloud TPU
+where `jax.distributed.initialize()` finds the slice by itself.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Trainer config file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and logs.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0, for multi-process runs.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False,
+    "Call jax.distributed.initialize() with no arguments (Cloud TPU slices).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  import jax  # pylint: disable=import-outside-toplevel
+  if _COORDINATOR.value is not None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value,
+                               process_id=_PROCESS_ID.value)
+  elif _DISTRIBUTED.value:
+    jax.distributed.initialize()
+  from trainer import config_checks, loop  # pylint: disable=import-outside-toplevel
+  try:
+    loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except config_checks.ConfigError as error:
+    logging.error("bad config: %s", error)
+    print(f"bad config: {error}", file=sys.stderr)
+    sys.exit(2)
+  except loop.NonFiniteLossError as error:
+    logging.error("%s", error)
+    print(str(error), file=sys.stderr)
+    sys.exit(3)
+
+
+if __name__ == "__main__":
+  app.run(main)

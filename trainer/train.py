@@ -1,0 +1,243 @@
+"""Train state, optimizer and the jitted, sharded train step.
+
+The train state is a plain pytree `{"step": int32 [], "params": nested dict of
+the SASRec parameters, "opt_state": optax state}`; the model's graph
+definition stays outside. One `jax.jit` step takes the state and a global
+batch with explicit in/out shardings, donates the state, and returns the new
+state and float32 metrics (loss, gradient norm, learning rate and the
+confusion counts of `cut_bce(..., return_stats=True)`).
+
+Shardings: the batch is split on its leading axis over `mesh.token_axes`; the
+item table (and its optimizer moments) by rows over `mesh.vocab_axis`;
+everything else replicated. The loss is `cutbce.sharding.sharded_cut_bce`.
+
+Dropout keys are `fold_in(key(seed), step)`, so the state holds no random
+state and a resumed run draws exactly the masks of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import cutbce
+from trainer import model as model_lib
+
+TrainState = dict  # {"step": int32 [], "params": dict, "opt_state": optax state}
+
+
+# --------------------------------------------------------------------------- #
+# The sharded loss and ranks: cutbce.sharding, with a fallback to the plain    #
+# op under sharding constraints while that package is not installed.           #
+# --------------------------------------------------------------------------- #
+
+
+def _constrain(mesh, token_axes, vocab_axis, hidden, table, *token_arrays):
+  token_spec = P(tuple(token_axes))
+  hidden = jax.lax.with_sharding_constraint(hidden, NamedSharding(mesh, token_spec))
+  table = jax.lax.with_sharding_constraint(table, NamedSharding(mesh, P(vocab_axis, None)))
+  token_arrays = [
+      None if x is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, token_spec))
+      for x in token_arrays
+  ]
+  return hidden, table, token_arrays
+
+
+def _fallback_sharded_cut_bce(hidden, table, targets, weights=None, *, mesh,
+                              token_axes=("data",), vocab_axis=None, **cut_bce_kwargs):
+  """`cutbce.cut_bce` with its inputs constrained to the mesh; XLA partitions it."""
+  hidden, table, (targets, weights) = _constrain(
+      mesh, token_axes, vocab_axis, hidden, table, targets, weights)
+  return cutbce.cut_bce(hidden, table, targets, weights, **cut_bce_kwargs)
+
+
+def _fallback_sharded_target_ranks(hidden, table, targets, *, mesh, token_axes=("data",),
+                                   vocab_axis=None, **kwargs):
+  hidden, table, (targets,) = _constrain(mesh, token_axes, vocab_axis, hidden, table, targets)
+  return cutbce.target_ranks(hidden, table, targets, **kwargs)
+
+
+def sharded_ops() -> tuple[Callable, Callable]:
+  """`(sharded_cut_bce, sharded_target_ranks)`: cutbce.sharding's, or the fallbacks."""
+  try:
+    from cutbce import sharding  # pylint: disable=import-outside-toplevel
+    return sharding.sharded_cut_bce, sharding.sharded_target_ranks
+  except (ImportError, AttributeError):
+    return _fallback_sharded_cut_bce, _fallback_sharded_target_ranks
+
+
+def padding_exclude(leading_shape: tuple[int, ...], num_items: int, table_rows: int):
+  """int32 `[..., E]` ids of the table rows past V (E = rows - V), or None.
+
+  Those rows exist only to split the table evenly over the vocab axis; passed
+  as `exclude` they are neither negatives in the loss nor ranked.
+  """
+  if table_rows == num_items:
+    return None
+  ids = jnp.arange(num_items, table_rows, dtype=jnp.int32)
+  return jnp.broadcast_to(ids, tuple(leading_shape) + ids.shape)
+
+
+# --------------------------------------------------------------------------- #
+# Model, optimizer and state.                                                  #
+# --------------------------------------------------------------------------- #
+
+
+def make_model(model_config, *, num_items: int, seq_len: int, vocab_shards: int,
+               seed: int) -> model_lib.SASRec:
+  return model_lib.SASRec(
+      num_items=num_items, seq_len=seq_len, dim=model_config.dim,
+      num_layers=model_config.num_layers, num_heads=model_config.num_heads,
+      mlp_dim=model_config.mlp_dim, dropout_rate=model_config.dropout_rate,
+      vocab_shards=vocab_shards, dtype=jnp.dtype(model_config.dtype),
+      rngs=nnx.Rngs(params=seed),
+  )
+
+
+def learning_rate_schedule(optimizer_config, train_steps: int) -> optax.Schedule:
+  """Linear warm-up from 0, then constant or cosine decay to 0 at `train_steps`."""
+  peak = optimizer_config.learning_rate
+  warmup = max(int(optimizer_config.warmup_steps), 1)
+  if optimizer_config.schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(train_steps, warmup + 1))
+  if optimizer_config.schedule == "constant":
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, peak, warmup), optax.constant_schedule(peak)], [warmup])
+  raise ValueError(
+      f"config.optimizer.schedule={optimizer_config.schedule!r}; expected 'constant' or 'cosine'")
+
+
+def make_optimizer(optimizer_config, train_steps: int) -> optax.GradientTransformation:
+  """Clip by global norm, then AdamW; weight decay on matrices but not the embeddings."""
+
+  def decay_mask(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.ndim >= 2 and not any(
+            "embedding" in str(getattr(k, "key", "")) for k in path),
+        params)
+
+  return optax.chain(
+      optax.clip_by_global_norm(optimizer_config.clip_norm),
+      optax.adamw(learning_rate_schedule(optimizer_config, train_steps),
+                  b1=optimizer_config.b1, b2=optimizer_config.b2,
+                  weight_decay=optimizer_config.weight_decay, mask=decay_mask),
+  )
+
+
+def init_state(model: model_lib.SASRec, tx: optax.GradientTransformation):
+  """`(graphdef, state)` of a freshly initialised model."""
+  graphdef, params = nnx.split(model)
+  params = nnx.to_pure_dict(params)
+  state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+  return graphdef, state
+
+
+def state_shardings(state, mesh: Mesh, vocab_axis: str | None):
+  """NamedShardings of the train state: table rows (and moments) on `vocab_axis`."""
+  specs = model_lib.param_partition_specs(state, vocab_axis)
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def batch_sharding(mesh: Mesh, token_axes) -> NamedSharding:
+  """Leading (batch) axis split over the token axes, other axes replicated."""
+  return NamedSharding(mesh, P(tuple(token_axes)))
+
+
+# --------------------------------------------------------------------------- #
+# The train step.                                                              #
+# --------------------------------------------------------------------------- #
+
+
+class StepSettings(NamedTuple):
+  """What the step needs besides the state and batch (hashable, static)."""
+  mesh: Mesh
+  token_axes: tuple[str, ...]
+  vocab_axis: str | None
+  num_items: int
+  seed: int
+  backend: str
+  vocab_reduction: str
+
+
+def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings):
+  model = nnx.merge(graphdef, params)
+  hidden = model(batch["inputs"], deterministic=False, rngs=nnx.Rngs(dropout=dropout_key))
+  table = model.item_table  # [V_padded, D]
+  loss_op, _ = sharded_ops()
+  loss, stats = loss_op(
+      hidden, table, batch["targets"], batch["weights"], mesh=settings.mesh,
+      token_axes=settings.token_axes, vocab_axis=settings.vocab_axis,
+      exclude=padding_exclude(hidden.shape[:-1], settings.num_items, table.shape[0]),
+      vocab_reduction=settings.vocab_reduction, return_stats=True, backend=settings.backend,
+  )
+  return loss, stats
+
+
+def train_step(state, batch, *, graphdef, tx, schedule, settings: StepSettings):
+  """One optimizer step. Returns `(new_state, metrics)`; metrics are float32 scalars."""
+  dropout_key = jax.random.fold_in(jax.random.key(settings.seed), state["step"])
+  grad_fn = jax.value_and_grad(_loss_and_stats, has_aux=True)
+  (loss, stats), grads = grad_fn(state["params"], graphdef, batch, dropout_key, settings)
+  updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+  params = optax.apply_updates(state["params"], updates)
+  grad_norm = optax.global_norm(grads)
+  metrics = {
+      "loss": loss,
+      "grad_norm": grad_norm,
+      "learning_rate": jnp.asarray(schedule(state["step"]), jnp.float32),
+      "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
+      "tokens": jnp.sum(batch["weights"]),
+  }
+  for name in ("tp", "fp", "fn", "tn"):
+    metrics[name] = jnp.asarray(getattr(stats, name), jnp.float32)
+  new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+  return new_state, metrics
+
+
+def jit_train_step(graphdef, tx, schedule, settings: StepSettings, shardings) -> Callable:
+  """The jitted step: explicit in/out shardings, state donated."""
+  replicated = NamedSharding(settings.mesh, P())
+  step = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
+                           settings=settings)
+  return jax.jit(
+      step,
+      in_shardings=(shardings, batch_sharding(settings.mesh, settings.token_axes)),
+      out_shardings=(shardings, replicated),
+      donate_argnums=(0,),
+  )
+
+
+def create_sharded_state(config, *, num_items: int, mesh: Mesh, vocab_shards: int):
+  """`(graphdef, tx, schedule, state, shardings)`, the state placed on the mesh.
+
+  Parameters are initialised under `jax.jit` with the target shardings as
+  outputs, so each device only materialises its own rows of the table.
+  """
+  tx = make_optimizer(config.optimizer, config.train_steps)
+  schedule = learning_rate_schedule(config.optimizer, config.train_steps)
+
+  def init():
+    model = make_model(config.model, num_items=num_items, seq_len=config.seq_len,
+                       vocab_shards=vocab_shards, seed=config.seed)
+    return init_state(model, tx)[1]
+
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: make_model(
+      config.model, num_items=num_items, seq_len=config.seq_len,
+      vocab_shards=vocab_shards, seed=config.seed)))
+  abstract = jax.eval_shape(init)
+  shardings = state_shardings(abstract, mesh, config.mesh.vocab_axis)
+  state = jax.jit(init, out_shardings=shardings)()
+  return graphdef, tx, schedule, state, shardings
+
+
+def abstract_state(state: Any, shardings: Any):
+  """ShapeDtypeStructs with shardings, the restore target of a checkpoint."""
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), state, shardings)
