@@ -1,0 +1,9 @@
+"""The CutBCE op on a device mesh: shard_map, collectives outside the vocabulary loop."""
+
+from cutbce.sharding.hlo import CollectiveReport, collective_report
+from cutbce.sharding.layout import Layout
+from cutbce.sharding.shard_map import sharded_cut_bce, sharded_target_ranks
+
+__all__ = [
+    "sharded_cut_bce", "sharded_target_ranks", "collective_report", "CollectiveReport", "Layout",
+]

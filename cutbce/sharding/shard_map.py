@@ -1,0 +1,366 @@
+"""`sharded_cut_bce` and `sharded_target_ranks`: the tiled op on a device mesh.
+
+Tokens (hidden, targets, weights, exclude) are split on their leading dim over
+`token_axes`; the table (and bias) by rows over `vocab_axis`, padded with zero
+rows to a multiple of its size. Forward and backward are each one
+`jax.shard_map` under a custom VJP, so every collective is written here and
+none sits inside the local loop over vocabulary tiles:
+
+    forward   all_gather(hidden, ids)  over the vocab axis, if it splits tokens
+              local scan over this shard's V/m rows            (no collective)
+              psum_scatter(l_t, counts) over the vocab axis    (psum if it does
+                                                                not split tokens)
+    backward  all_gather(hidden, ids, g_t) as above
+              local scan                                       (no collective)
+              psum_scatter(dh) over the vocab axis
+              psum(dE, db) over the token axes other than the vocab axis
+
+The weighted token reduction ("mean"/"sum") runs outside, in plain JAX on the
+`[T]` losses, exactly as `cut_bce` does (one all-reduce placed by XLA).
+
+Padded rows. A padded row is e_v = 0 with b_v = 0, so x_tv = h_t . 0 = 0
+exactly for finite h. Its only effects are: + softplus(0) = log 2 on every
+token's dense sum (subtracted per shard: l_t -= n_pad log 2, exact up to one
+float32 rounding), + 0 to the positive counts (0 > 0 is false), + sigmoid(0)
+e_v = 0 to dh, rows of dE/db that are sliced off by the pad's transpose, and
++1 to a rank when 0 > x_target (subtracted exactly). Counts use each shard's
+number of real rows, so padded rows are never negatives.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from cutbce import api, inputs, reference, sparse
+from cutbce.kernels.tiling import TilePlan
+from cutbce.sharding import layout as layout_lib
+from cutbce.sharding.layout import Layout
+
+
+class _Static(NamedTuple):
+  """Everything the custom VJP is traced with (hashable)."""
+
+  layout: Layout
+  backend: str
+  plan: TilePlan
+  with_counts: bool
+  num_targets: int  # L: the packed ids are [T, L + E].
+
+
+def _pack_ids(targets, exclude):
+  """`[T, L]` targets and `[T, E]` exclude -> one int32 `[T, L + E]` (one gather)."""
+  targets = targets.astype(jnp.int32)
+  if exclude is None:
+    return targets
+  return jnp.concatenate([targets, exclude.astype(jnp.int32)], axis=-1)
+
+
+def _pad_rows(layout: Layout, table, bias):
+  """Zero rows (and zero bias) up to `padded_vocab`; see the module note."""
+  extra = layout.padded_vocab - layout.vocab
+  if not extra:
+    return table, bias
+  table = jnp.pad(table, ((0, extra), (0, 0)))
+  if bias is not None:
+    bias = jnp.pad(bias, (0, extra))
+  return table, bias
+
+
+def _local_ids(static: _Static, ids, offset):
+  """Packed global ids -> (global `SparseIds`, `SparseIds` into this shard)."""
+  targets, exclude = layout_lib.split_ids(ids, static.num_targets)
+  # Dedup and "exclude minus targets" need the global ids: decide, then rebase.
+  global_ids = sparse.prepare_ids(targets, exclude, static.layout.vocab)
+  return global_ids, layout_lib.rebase_ids(global_ids, offset, static.layout.rows_per_shard)
+
+
+def _padded_rows(layout: Layout, real_rows):
+  return layout.rows_per_shard - real_rows  # int32 scalar
+
+
+def _map(layout: Layout, fn, in_specs, out_specs):
+  return jax.shard_map(
+      fn, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+  )
+
+
+def _forward(static: _Static, hidden, table, bias, ids):
+  layout = static.layout
+
+  def local(hidden, table, bias, ids):
+    hidden, ids = layout_lib.gather_tokens(layout, hidden, ids)
+    offset, real_rows = layout_lib.shard_rows(layout)
+    _, local_ids = _local_ids(static, ids, offset)
+    per_token, counts = api.tiled_forward(
+        static.backend, static.plan, static.with_counts, hidden, table, bias,
+        local_ids, real_rows,
+    )  # [T_group] f32, counts over this shard's real rows
+    # Each padded row added softplus(0) to every token (its logit is exactly 0).
+    padded = _padded_rows(layout, real_rows).astype(jnp.float32)
+    per_token = per_token - padded * jax.nn.softplus(jnp.float32(0.0))
+    per_token = layout_lib.scatter_tokens(layout, per_token)  # [T_local]
+    if counts is None:
+      return per_token
+    counts = layout_lib.scatter_tokens(layout, jnp.stack(counts), axis=1)  # [4, T_local]
+    return per_token, counts
+
+  token_spec = layout.token_spec
+  in_specs = (token_spec, layout.table_spec, layout.bias_spec, token_spec)
+  if bias is None:
+    fn = lambda hidden, table, ids: local(hidden, table, None, ids)  # noqa: E731
+    in_specs, args = in_specs[:2] + in_specs[3:], (hidden, table, ids)
+  else:
+    fn, args = local, (hidden, table, bias, ids)
+  if not static.with_counts:
+    return _map(layout, fn, in_specs, token_spec)(*args), None
+  counts_spec = P(None, *token_spec)
+  return _map(layout, fn, in_specs, (token_spec, counts_spec))(*args)
+
+
+def _backward(static: _Static, hidden, table, bias, ids, scale):
+  layout = static.layout
+
+  def local(hidden, table, bias, ids, scale):
+    hidden, ids, scale = layout_lib.gather_tokens(layout, hidden, ids, scale)
+    offset, _ = layout_lib.shard_rows(layout)
+    _, local_ids = _local_ids(static, ids, offset)
+    hidden_grad, table_grad, bias_grad = api.tiled_backward(
+        static.backend, static.plan, hidden, table, bias, local_ids, scale
+    )  # f32 [T_group, D], [V_shard, D], [V_shard]
+    hidden_grad = layout_lib.scatter_tokens(layout, hidden_grad)  # [T_local, D]
+    if layout.table_sum_axes:
+      table_grad, bias_grad = lax.psum((table_grad, bias_grad), layout.table_sum_axes)
+    if bias is None:
+      return hidden_grad, table_grad
+    return hidden_grad, table_grad, bias_grad
+
+  token_spec = layout.token_spec
+  in_specs = (token_spec, layout.table_spec, layout.bias_spec, token_spec, token_spec)
+  out_specs = (token_spec, layout.table_spec, layout.bias_spec)
+  if bias is None:
+    fn = lambda hidden, table, ids, scale: local(hidden, table, None, ids, scale)  # noqa: E731
+    grads = _map(layout, fn, in_specs[:2] + in_specs[3:], out_specs[:2])(
+        hidden, table, ids, scale
+    )
+    return grads + (None,)
+  return _map(layout, local, in_specs, out_specs)(hidden, table, bias, ids, scale)
+
+
+# --------------------------------------------------------------------------- #
+# Per-token losses under one custom VJP. Ids get no cotangent.                 #
+# --------------------------------------------------------------------------- #
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sharded_loss(static: _Static, hidden, table, bias, ids):
+  """([T] f32 l_t in the token layout, [4, T] int32 counts or None)."""
+  return _forward(static, hidden, table, bias, ids)
+
+
+def _sharded_loss_fwd(static: _Static, hidden, table, bias, ids):
+  # Residuals are the (ungathered) inputs: the backward gathers hidden again
+  # rather than keeping an m-times larger gathered copy alive between passes.
+  out = _forward(static, hidden, table, bias, ids)
+  return out, (hidden, table, bias, ids)
+
+
+def _sharded_loss_bwd(static: _Static, residuals, cotangents):
+  hidden, table, bias, ids = residuals
+  layout = static.layout
+  scale = cotangents[0].astype(jnp.float32)  # g_t, [T]; counts get none.
+  scale = layout_lib.place(layout, scale, layout.token_spec)
+  hidden_grad, table_grad, bias_grad = _backward(static, hidden, table, bias, ids, scale)
+  if bias is not None:
+    bias_grad = bias_grad.astype(bias.dtype)
+  return hidden_grad.astype(hidden.dtype), table_grad.astype(table.dtype), bias_grad, None
+
+
+_sharded_loss.defvjp(_sharded_loss_fwd, _sharded_loss_bwd)
+
+
+def _prepare(layout: Layout, hidden, table, bias, ids):
+  """Pads the table and puts every input in its shard_map layout."""
+  table, bias = _pad_rows(layout, table, bias)
+  return (
+      layout_lib.place(layout, hidden, layout.token_spec),
+      layout_lib.place(layout, table, layout.table_spec),
+      layout_lib.place(layout, bias, layout.bias_spec),
+      layout_lib.place(layout, ids, layout.token_spec),
+  )
+
+
+def _local_plan(backend, plan, layout: Layout, num_rows: int, flat: inputs.Flat):
+  if plan is not None:
+    return plan
+  return api.default_plan(
+      backend, num_rows, layout.rows_per_shard, flat.table.shape[1],
+      jnp.result_type(flat.hidden.dtype, flat.table.dtype),
+  )
+
+
+def sharded_cut_bce(
+    hidden, table, targets, weights=None, *, mesh, token_axes=("data",), vocab_axis=None,
+    bias=None, exclude=None, reduction="mean", vocab_reduction="mean",
+    return_stats=False, backend="auto", plan=None,
+):
+  """`cutbce.cut_bce` on a device mesh, collectives outside the vocabulary loop.
+
+  Same value, stats and gradients as `cut_bce` (up to float32 summation order):
+
+      l_t = sum_{v not in X_t} softplus(x_tv) - sum_{p in P_t} x_tp,
+
+  with each device computing its token block against its vocabulary shard.
+
+  Args:
+    hidden: `[B, ..., D]`, B split over `token_axes` (divisible by their size).
+    table: `[V, D]`, rows split over `vocab_axis` (padded with masked zero rows
+      when V is not a multiple of its size); must not be split along D.
+    targets: int `[B, ..., L]`; weights: optional `[B, ...]`; exclude: optional
+      int `[B, ..., E]`: split like `hidden`.
+    mesh: a `jax.sharding.Mesh` (auto or explicit axes).
+    token_axes: mesh axis name(s) splitting B, major first; () replicates tokens.
+    vocab_axis: mesh axis name splitting the table's rows, or None (replicated).
+      It may also be one of `token_axes`: hidden is then all-gathered over it
+      before the local op and dh reduce-scattered back after it.
+    bias, exclude, reduction, vocab_reduction, return_stats, backend, plan: as
+      in `cut_bce`; `vocab_reduction="mean"` divides by the caller's V. `plan`
+      tiles the local op (default: the backend's plan for the local shapes).
+      backend="dense" runs the reference on the global arrays (XLA partitions).
+
+  Returns:
+    As `cut_bce`: float32 scalar, or `[B, ...]` for reduction="none" (split
+    like `hidden`); with `return_stats`, `(loss, cutbce.Stats)`.
+
+  Raises:
+    ValueError, TypeError: bad inputs as in `cut_bce`, axis names not in the
+      mesh, B not divisible by the token axes' size, a table split along D.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from jax.sharding import Mesh
+    >>> mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    >>> hidden = jnp.ones((2, 3, 4)); table = jnp.zeros((10, 4))
+    >>> targets = jnp.array([[[1], [2], [-1]], [[3], [3], [4]]])
+    >>> float(sharded_cut_bce(hidden, table, targets, mesh=mesh, vocab_axis="model",
+    ...                       vocab_reduction="sum"))
+    6.1314...
+  """
+  inputs.check_choice("reduction", reduction, inputs.REDUCTIONS)
+  inputs.check_choice("vocab_reduction", vocab_reduction, inputs.VOCAB_REDUCTIONS)
+  inputs.check_plan(plan)
+  backend = api.resolve_backend(backend)
+  flat = inputs.flatten_inputs(hidden, table, targets, weights, bias, exclude)
+  layout = layout_lib.make_layout(
+      mesh, token_axes, vocab_axis, hidden_shape=jnp.shape(hidden), table=table
+  )
+  if backend == "dense":
+    return reference.dense_bce(
+        hidden, table, targets, weights, bias=bias, exclude=exclude,
+        reduction=reduction, vocab_reduction=vocab_reduction, return_stats=return_stats,
+    )
+  num_tokens = flat.hidden.shape[0]
+  static = _Static(
+      layout=layout, backend=backend,
+      plan=_local_plan(backend, plan, layout, layout.group_tokens(num_tokens), flat),
+      with_counts=bool(return_stats), num_targets=flat.targets.shape[-1],
+  )
+  args = _prepare(
+      layout, flat.hidden, flat.table, flat.bias, _pack_ids(flat.targets, flat.exclude)
+  )
+  per_token, counts = _sharded_loss(static, *args)
+  loss = inputs.reduce_losses(per_token, flat, reduction, vocab_reduction)
+  if not return_stats:
+    return loss
+  return loss, inputs.weighted_stats(tuple(counts), lax.stop_gradient(flat.weights))
+
+
+def sharded_target_ranks(
+    hidden, table, targets, *, mesh, token_axes=("data",), vocab_axis=None,
+    bias=None, exclude=None, backend="auto", plan=None,
+):
+  """`cutbce.target_ranks` on a device mesh: int32 `[B, ..., L]`, 0 for padding.
+
+  rank_tl = 1 + #{v not in X_t : x_tv > x_{t, targets_tl}}. Each target's
+  logit is computed on the shard owning its row and psummed over the vocab
+  axis (zeros elsewhere, so exact), every shard counts its larger logits in
+  one local tiled pass, and the counts are summed over the vocab axis.
+
+  Args:
+    hidden, table, targets, bias, exclude, backend, plan: as in `target_ranks`.
+    mesh, token_axes, vocab_axis: as in `sharded_cut_bce`.
+
+  Returns:
+    int32 `[B, ..., L]` split like `targets`.
+
+  Raises:
+    ValueError, TypeError: as `sharded_cut_bce`.
+  """
+  inputs.check_plan(plan)
+  backend = api.resolve_backend(backend)
+  flat = inputs.flatten_inputs(hidden, table, targets, None, bias, exclude)
+  layout = layout_lib.make_layout(
+      mesh, token_axes, vocab_axis, hidden_shape=jnp.shape(hidden), table=table
+  )
+  if backend == "dense":
+    return reference.dense_target_ranks(hidden, table, targets, bias=bias, exclude=exclude)
+  num_targets = flat.targets.shape[-1]
+  static = _Static(
+      layout=layout, backend=backend,
+      plan=_local_plan(
+          backend, plan, layout, layout.group_tokens(flat.hidden.shape[0]) * num_targets, flat
+      ),
+      with_counts=False, num_targets=num_targets,
+  )
+  hidden_, table_, bias_ = (
+      lax.stop_gradient(x) if x is not None else None
+      for x in (flat.hidden, flat.table, flat.bias)
+  )
+  args = _prepare(layout, hidden_, table_, bias_, _pack_ids(flat.targets, flat.exclude))
+  ranks = _ranks(static, *args)  # [T, L]
+  return jnp.reshape(ranks, flat.leading_shape + (num_targets,))
+
+
+def _ranks(static: _Static, hidden, table, bias, ids):
+  layout = static.layout
+  kernels = importlib.import_module(api.BACKENDS[static.backend])
+
+  def local(hidden, table, bias, ids):
+    hidden, ids = layout_lib.gather_tokens(layout, hidden, ids)
+    offset, real_rows = layout_lib.shard_rows(layout)
+    global_ids, local_ids = _local_ids(static, ids, offset)
+    logits = sparse.sparse_logits(hidden, table, bias, local_ids)
+    # x_tp lives on the shard that owns row p; the others add 0, so exact.
+    target_logits = jnp.where(local_ids.target_mask, logits.target, 0.0)  # [T_group, L]
+    if layout.vocab_axis is not None:
+      target_logits = lax.psum(target_logits, layout.vocab_axis)
+    # -1 matches no local column: only the owning shard leaves out x_tp itself.
+    own_ids = jnp.where(local_ids.target_mask, local_ids.target_ids, -1)
+    larger = kernels.rank_counts(
+        hidden, table, bias, target_logits, own_ids, plan=static.plan
+    )  # [T_group, L]
+    if local_ids.exclude_mask is not None:
+      larger = larger - jnp.sum(
+          local_ids.exclude_mask[:, :, None]
+          & (logits.exclude[:, :, None] > target_logits[:, None, :]),
+          axis=1, dtype=jnp.int32,
+      )
+    # Padded rows have logit exactly 0: counted wherever 0 > x_target.
+    padded = _padded_rows(layout, real_rows)
+    larger = larger - padded * (target_logits < 0).astype(jnp.int32)
+    larger = layout_lib.scatter_tokens(layout, larger)  # [T_local, L]
+    target_mask = layout_lib.own_block(layout, global_ids.target_mask)
+    return jnp.where(target_mask, 1 + larger, 0)
+
+  token_spec = layout.token_spec
+  in_specs = (token_spec, layout.table_spec, layout.bias_spec, token_spec)
+  if bias is None:
+    fn = lambda hidden, table, ids: local(hidden, table, None, ids)  # noqa: E731
+    return _map(layout, fn, in_specs[:2] + in_specs[3:], token_spec)(hidden, table, ids)
+  return _map(layout, local, in_specs, token_spec)(hidden, table, bias, ids)
