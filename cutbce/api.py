@@ -30,14 +30,44 @@ BACKENDS: types.MappingProxyType = types.MappingProxyType({
 BACKEND_CHOICES = ("auto",) + tuple(BACKENDS)
 
 
-def resolve_backend(backend: str) -> str:
-  """Maps "auto" to a concrete backend name: Pallas on TPU, XLA elsewhere."""
+def resolve_backend(backend: str, flat: inputs.Flat | None = None) -> str:
+  """Maps "auto" to a concrete backend name: Pallas on TPU, XLA elsewhere.
+
+  With `flat` inputs, "auto" picks Pallas only where its kernels take them
+  (dtype, shapes, a tile plan that fits VMEM), so it never picks a path that
+  would fail; an explicitly named backend that cannot take them raises
+  `NotImplementedError` (see `check_backend_supports`).
+  """
   inputs.check_choice("backend", backend, BACKEND_CHOICES)
   if backend != "auto":
     return backend
   if jax.default_backend() == "tpu" and _kernel_module_available("pallas_tpu"):
-    return "pallas_tpu"
+    if flat is None or _unsupported_reason("pallas_tpu", flat) is None:
+      return "pallas_tpu"
   return "xla"
+
+
+def _unsupported_reason(backend: str, flat: inputs.Flat, plan: TilePlan | None = None) -> str | None:
+  """Why `backend`'s kernels cannot take `flat`, or None (kernel sets without a check take all)."""
+  if BACKENDS[backend] is None:
+    return None
+  check = getattr(_kernels(backend), "unsupported_reason", None)
+  if check is None:
+    return None
+  hidden, table = flat.hidden, flat.table
+  return check(
+      hidden.shape[0], table.shape[0], table.shape[1], hidden.dtype, table.dtype, plan
+  )
+
+
+def check_backend_supports(backend: str, flat: inputs.Flat, plan: TilePlan | None = None) -> None:
+  """Raises `NotImplementedError` naming the reason when `backend` cannot take `flat`.
+
+  With a `plan` given, only the inputs are checked, not whether a plan fits.
+  """
+  reason = _unsupported_reason(backend, flat, plan)
+  if reason is not None:
+    raise NotImplementedError(f"backend {backend!r} cannot run these inputs: {reason}")
 
 
 def _kernel_module_available(name: str) -> bool:
@@ -201,14 +231,16 @@ def cut_bce(
   inputs.check_choice("reduction", reduction, inputs.REDUCTIONS)
   inputs.check_choice("vocab_reduction", vocab_reduction, inputs.VOCAB_REDUCTIONS)
   inputs.check_plan(plan)
-  backend = resolve_backend(backend)
+  inputs.check_choice("backend", backend, BACKEND_CHOICES)
   flat = inputs.flatten_inputs(hidden, table, targets, weights, bias, exclude)
+  backend = resolve_backend(backend, flat)
   if backend == "dense":
     return reference.dense_bce(
         hidden, table, targets, weights, bias=bias, exclude=exclude,
         reduction=reduction, vocab_reduction=vocab_reduction,
         return_stats=return_stats,
     )
+  check_backend_supports(backend, flat, plan)
   plan = _resolve_plan(backend, plan, flat, flat.hidden.shape[0])
   ids = sparse.prepare_ids(flat.targets, flat.exclude, flat.table.shape[0])
   per_token, counts = _tiled_loss(
@@ -237,12 +269,14 @@ def target_ranks(hidden, table, targets, *, bias=None, exclude=None, backend="au
     same row, so that every item is counted once by `rank_metrics`.
   """
   inputs.check_plan(plan)
-  backend = resolve_backend(backend)
+  inputs.check_choice("backend", backend, BACKEND_CHOICES)
   flat = inputs.flatten_inputs(hidden, table, targets, None, bias, exclude)
+  backend = resolve_backend(backend, flat)
   if backend == "dense":
     return reference.dense_target_ranks(hidden, table, targets, bias=bias, exclude=exclude)
   hidden_, table_, bias_ = (jax.lax.stop_gradient(x) for x in (flat.hidden, flat.table, flat.bias))
   num_targets = flat.targets.shape[-1]
+  check_backend_supports(backend, flat, plan)
   plan = _resolve_plan(backend, plan, flat, flat.hidden.shape[0] * num_targets)
   ids = sparse.prepare_ids(flat.targets, flat.exclude, table_.shape[0])
   logits = sparse.sparse_logits(hidden_, table_, bias_, ids)

@@ -44,7 +44,9 @@ the target's logit; counts accumulate in the `[chunk, L]` int32 output block.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from typing import NamedTuple
 
 import jax
@@ -57,15 +59,36 @@ from cutbce.kernels import tiling
 from cutbce.kernels.tiling import TilePlan
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-# Above this many targets per position the rank kernel's unrolled comparison
-# loop grows the program too much; the XLA path handles those.
+# Targets per rank-kernel call: its comparison loop over L is unrolled, so
+# wider rows are split into groups of this many (one table sweep per group).
 MAX_RANK_TARGETS = tiling.LANES
 NT_DIMS = (((1,), (1,)), ((), ()))  # [M, K] x [N, K] -> [M, N]
 
 
+_COMPILED_FOR_TPU = threading.local()
+
+
+@contextlib.contextmanager
+def compiled_for_tpu():
+  """Traces the kernels for Mosaic even off a TPU (interpret mode off).
+
+  For exporting or lowering to the TPU platform from a CPU host, e.g.
+  `jax.export.export(jax.jit(f), platforms=("tpu",))`; running such a trace
+  on CPU fails.
+  """
+  previous = getattr(_COMPILED_FOR_TPU, "on", False)
+  _COMPILED_FOR_TPU.on = True
+  try:
+    yield
+  finally:
+    _COMPILED_FOR_TPU.on = previous
+
+
 def _interpret():
-  """Compiled on a TPU, TPU interpret mode everywhere else."""
-  return False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
+  """Compiled on a TPU (or inside `compiled_for_tpu`), TPU interpret mode elsewhere."""
+  if jax.default_backend() == "tpu" or getattr(_COMPILED_FOR_TPU, "on", False):
+    return False
+  return pltpu.InterpretParams()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -528,10 +551,15 @@ def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePla
   num_tokens, dim = hidden.shape
   num_targets = target_logits.shape[1]
   if num_targets > MAX_RANK_TARGETS:
-    raise NotImplementedError(
-        f"the Pallas TPU rank kernel takes at most {MAX_RANK_TARGETS} targets per "
-        f"position, got L={num_targets}"
-    )
+    # Groups of at most MAX_RANK_TARGETS targets, one kernel call each.
+    groups = [
+        rank_counts(
+            hidden, table, bias, target_logits[:, start:start + MAX_RANK_TARGETS],
+            target_ids[:, start:start + MAX_RANK_TARGETS], plan=plan,
+        )
+        for start in range(0, num_targets, MAX_RANK_TARGETS)
+    ]
+    return jnp.concatenate(groups, axis=1)
   geom = _geometry(plan, hidden, table, "ranks", num_targets)
   has_bias = bias is not None
   hidden_index_map = lambda chunk, tile: (chunk, 0)
