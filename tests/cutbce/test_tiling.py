@@ -1,0 +1,97 @@
+"""The TPU tile planner: legal blocks under the VMEM budget for every chip and shape."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import pytest
+
+import cutbce
+from cutbce.kernels import tiling
+from cutbce.kernels.tiling import TilePlan
+
+CHIPS = ("v4", "v5e", "v5p", "v6e")
+TOKENS = (256, 4096, 65_536)
+VOCABS = (1_000, 876_939, 10_000_000)
+DIMS = (64, 128, 512)
+DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+def test_plans_are_legal_and_fit_the_budget(chip):
+  spec = tiling.chip_spec(chip)
+  mxu = spec.mxu_column_size
+  for tokens, vocab, dim, dtype in itertools.product(TOKENS, VOCABS, DIMS, DTYPES):
+    plan = cutbce.plan_tiles(tokens, vocab, dim, dtype, chip=chip)
+    where = f"{chip} T={tokens} V={vocab} D={dim} {jnp.dtype(dtype)}: {plan}"
+    itemsize = jnp.dtype(dtype).itemsize
+    assert plan.block_v % mxu == 0 and plan.block_t % mxu == 0, where
+    assert plan.block_v % tiling.LANES == 0, where  # lane rule for [1, block_v] and [block_v, D]
+    assert plan.token_chunk % plan.block_t == 0, where
+    assert plan.token_chunk % tiling.sublane_rows(itemsize) == 0, where
+    assert plan.block_v <= max(mxu, -(-vocab // mxu) * mxu), where
+    assert plan.token_chunk <= -(-tokens // plan.block_t) * plan.block_t, where
+    assert 4 * plan.block_t * plan.block_v <= tiling.MAX_LOGIT_TILE_BYTES, where
+    assert plan.vmem_limit_bytes <= spec.vmem_capacity_bytes, where
+    assert tiling.plan_vmem_bytes(plan, dim, itemsize) <= plan.vmem_limit_bytes, where
+
+
+def test_one_chunk_at_the_paper_shape_on_v5e_and_v6e():
+  # 4,096 tokens per chip fit VMEM whole: the table is read once per pass.
+  for chip in ("v5e", "v6e"):
+    plan = cutbce.plan_tiles(4096, 876_939, 128, jnp.bfloat16, chip=chip)
+    assert plan.token_chunk == 4096
+
+
+def test_large_token_counts_are_chunked():
+  plan = cutbce.plan_tiles(65_536, 876_939, 512, jnp.float32, chip="v4")
+  assert plan.token_chunk < 65_536
+
+
+def test_chip_spec_comes_from_jax():
+  from jax.experimental.pallas import tpu as pltpu
+  info = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion("v6e"), 1)
+  spec = tiling.chip_spec("v6e")
+  assert spec.vmem_capacity_bytes == info.vmem_capacity_bytes
+  assert spec.mxu_column_size == info.mxu_column_size == 256
+  assert tiling.chip_spec("v5e").mxu_column_size == 128
+  # The built-in table agrees with jax where both know a chip.
+  for chip in CHIPS:
+    fallback, reported = tiling._FALLBACK_CHIPS[chip], tiling.chip_spec(chip)
+    assert fallback.vmem_capacity_bytes == reported.vmem_capacity_bytes
+    assert fallback.mxu_column_size == reported.mxu_column_size
+
+
+def test_estimate_grows_with_every_tile_size():
+  base = dict(token_chunk=512, block_t=256, block_v=512, dim=128, itemsize=2)
+  for kernel in ("forward", "backward", "ranks"):
+    small = tiling.vmem_estimate(kernel, **base)
+    for name in ("token_chunk", "block_t", "block_v", "dim"):
+      bigger = dict(base, **{name: base[name] * 2})
+      assert tiling.vmem_estimate(kernel, **bigger) > small, (kernel, name)
+
+
+def test_no_plan_fits_names_chip_shapes_and_budget():
+  with pytest.raises(ValueError, match=r"chip v4: T=4096, V=1000, D=200000.*MiB.*budget is 12\.0 MiB"):
+    cutbce.plan_tiles(4096, 1000, 200_000, jnp.float32, chip="v4")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_tokens=0, vocab=10, dim=8, dtype=jnp.float32), "num_tokens"),
+        (dict(num_tokens=8, vocab=10, dim=8, dtype=jnp.float16), "float32 or bfloat16"),
+        (dict(num_tokens=8, vocab=10, dim=8, dtype=jnp.float32, chip="v9z"), "chip must be one of"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    cutbce.plan_tiles(**kwargs)
+
+
+def test_plan_is_a_static_hashable_value():
+  plan = cutbce.plan_tiles(1000, 5000, 64, jnp.float32, chip="v5e")
+  assert hash(plan) == hash(TilePlan(block_v=plan.block_v, block_t=plan.block_t,
+                                     token_chunk=plan.token_chunk,
+                                     vmem_limit_bytes=plan.vmem_limit_bytes))
