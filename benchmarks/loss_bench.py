@@ -1,0 +1,191 @@
+"""Loss micro-benchmark: dense BCE vs the XLA path of cut_bce vs the matmul floor.
+
+For each catalog size V: fwd+bwd (`jax.value_and_grad` w.r.t. hidden and
+table) at T = B x N tokens, reporting the compiled temp bytes
+(`memory_analysis().temp_size_in_bytes`, exact and repeatable) and the time
+(min over repeats after one warm-up). The matmul floor does the same four
+GEMMs of size T x V x D tile by tile with no elementwise work: what cut_bce
+would cost if softplus and sigmoid were free. Dense runs only where its temp
+memory fits `--dense-limit-gib`; above that it is compiled, not run.
+
+    python benchmarks/loss_bench.py                     # the issue's sweep
+    python benchmarks/loss_bench.py --vocab 16384 --repeats 2 --no-plot   # quick
+
+Prints a table and writes JSON (and a PNG with --plot) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import cutbce
+from cutbce.kernels import xla as xla_kernels
+
+DEFAULT_VOCABS = (16_384, 32_768, 65_536, 131_072, 262_144, 524_288, 1_048_576, 10_000_000)
+
+
+def make_inputs(batch, seq, dim, vocab, num_targets, dtype, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+  hidden = (jax.random.normal(keys[0], (batch, seq, dim)) * 0.5).astype(dtype)
+  table = (jax.random.normal(keys[1], (vocab, dim)) * 0.05).astype(dtype)
+  targets = jax.random.randint(keys[2], (batch, seq, num_targets), -1, vocab)
+  return hidden, table, targets
+
+
+def loss_fn(backend, plan=None):
+  def fn(hidden, table, targets):
+    return cutbce.cut_bce(hidden, table, targets, backend=backend, plan=plan)
+  return fn
+
+
+def matmul_floor_fn(block_v):
+  """The four GEMMs of fwd+bwd, tile by tile, no elementwise work."""
+
+  def fn(hidden, table, targets):
+    del targets
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    vocab = table.shape[0]
+    num_tiles = vocab // block_v
+    table_tiles = table[: num_tiles * block_v].reshape(num_tiles, block_v, -1)
+
+    def forward(total, tile):
+      return total + jnp.sum(flat @ tile.T), None
+
+    def backward(hidden_grad, tile):
+      logits = flat @ tile.T  # [T, block_v]
+      return hidden_grad + logits @ tile, logits.T @ flat
+
+    total, _ = jax.lax.scan(forward, jnp.float32(0), table_tiles)
+    hidden_grad, table_grad = jax.lax.scan(backward, jnp.zeros_like(flat), table_tiles)
+    return total, hidden_grad, table_grad
+
+  return fn
+
+
+def measure(fn, args, repeats, run=True):
+  compiled = jax.jit(fn).lower(*args).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  if not run:
+    return temp, None
+  jax.block_until_ready(compiled(*args))  # warm-up
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    best = min(best, time.perf_counter() - start)
+  return temp, best
+
+
+def peak_flops_estimate():
+  """Cores x 2 FMA units x (SIMD lanes) x 2 FLOPs x clock, from /proc/cpuinfo."""
+  try:
+    info = open("/proc/cpuinfo").read()
+  except OSError:
+    return None
+  lanes = 16 if "avx512f" in info else 8 if "avx2" in info else 4
+  mhz = [float(line.split(":")[1]) for line in info.splitlines() if line.startswith("cpu MHz")]
+  if not mhz:
+    return None
+  return os.cpu_count() * 2 * lanes * 2 * max(mhz) * 1e6
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--vocab", type=int, nargs="+", default=list(DEFAULT_VOCABS))
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--seq", type=int, default=256)
+  parser.add_argument("--dim", type=int, default=64)
+  parser.add_argument("--targets", type=int, default=4)
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--block-v", type=int, default=None, help="override the XLA path's block_v")
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--dense-limit-gib", type=float, default=6.0)
+  parser.add_argument("--cut-only-above", type=int, default=1_048_576,
+                      help="above this V only cut_bce is measured")
+  parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True)
+  args = parser.parse_args()
+
+  dtype = jnp.dtype(args.dtype)
+  tokens = args.batch * args.seq
+  peak = peak_flops_estimate()
+  rows = []
+  print(f"loss_bench: T={tokens} D={args.dim} L={args.targets} {args.dtype} fwd+bwd, "
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores", flush=True)
+  header = (f"{'V':>10} {'block_v':>7} {'dense s':>8} {'dense MiB':>10} {'cut s':>8} "
+            f"{'cut MiB':>8} {'floor s':>8} {'cut/dense':>9} {'cut/floor':>9} {'%peak':>6}")
+  print(header)
+  for vocab in args.vocab:
+    hidden, table, targets = make_inputs(args.batch, args.seq, args.dim, vocab, args.targets, dtype)
+    operands = (hidden, table, targets)
+    plan = (cutbce.TilePlan(block_v=args.block_v) if args.block_v
+            else xla_kernels.default_plan(tokens, vocab, args.dim, dtype))
+    grad = lambda f: jax.value_and_grad(f, argnums=(0, 1))
+    cut_temp, cut_time = measure(grad(loss_fn("xla", plan)), operands, args.repeats)
+    row = dict(vocab=vocab, block_v=plan.block_v, cut_temp_bytes=cut_temp, cut_seconds=cut_time)
+    if vocab <= args.cut_only_above:
+      dense_temp, _ = measure(grad(loss_fn("dense")), operands, 0, run=False)
+      runnable = dense_temp <= args.dense_limit_gib * 2**30
+      _, dense_time = measure(grad(loss_fn("dense")), operands, args.repeats, run=runnable)
+      _, floor_time = measure(matmul_floor_fn(plan.block_v), operands, args.repeats)
+      row.update(dense_temp_bytes=dense_temp, dense_seconds=dense_time, floor_seconds=floor_time)
+    flops = 8 * tokens * vocab * args.dim
+    row["cut_fraction_of_peak"] = flops / cut_time / peak if peak else None
+    rows.append(row)
+    fmt = lambda v, f: "-" if v is None else format(v, f)
+    ratio = lambda a, b: None if a is None or b is None else a / b
+    print(f"{vocab:>10} {plan.block_v:>7} {fmt(row.get('dense_seconds'), '8.3f')} "
+          f"{fmt(ratio(row.get('dense_temp_bytes'), 2**20), '10.1f')} {cut_time:8.3f} "
+          f"{cut_temp / 2**20:8.1f} {fmt(row.get('floor_seconds'), '8.3f')} "
+          f"{fmt(ratio(cut_time, row.get('dense_seconds')), '9.3f')} "
+          f"{fmt(ratio(cut_time, row.get('floor_seconds')), '9.3f')} "
+          f"{fmt(None if not peak else 100 * row['cut_fraction_of_peak'], '6.1f')}", flush=True)
+
+  os.makedirs(args.out, exist_ok=True)
+  result = dict(
+      config=dict(vars(args), tokens=tokens), jax=jax.__version__,
+      machine=dict(platform=platform.platform(), cores=os.cpu_count(), peak_flops=peak), rows=rows,
+  )
+  path = os.path.join(args.out, f"loss_bench_{args.dtype}.json")
+  with open(path, "w") as f:
+    json.dump(result, f, indent=2)
+  print(f"wrote {path}")
+  if args.plot:
+    plot(rows, os.path.join(args.out, f"loss_bench_{args.dtype}.png"))
+
+
+def plot(rows, path):
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib missing (pip install '.[bench]'): no plot")
+    return
+  fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
+  for key, label in (("dense", "dense"), ("cut", "cut_bce (xla)")):
+    pts = [(r["vocab"], r.get(f"{key}_temp_bytes")) for r in rows if r.get(f"{key}_temp_bytes")]
+    if pts:
+      ax_mem.plot(*zip(*pts), "o-", label=label)
+  for key, label in (("dense", "dense"), ("cut", "cut_bce (xla)"), ("floor", "matmul floor")):
+    pts = [(r["vocab"], r.get(f"{key}_seconds")) for r in rows if r.get(f"{key}_seconds")]
+    if pts:
+      ax_time.plot(*zip(*pts), "o-", label=label)
+  for ax, title in ((ax_mem, "compiled temp bytes"), (ax_time, "fwd+bwd seconds")):
+    ax.set_xscale("log"); ax.set_yscale("log"); ax.set_xlabel("V"); ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3); ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
