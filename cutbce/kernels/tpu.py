@@ -6,40 +6,23 @@ every kernel runs in TPU interpret mode, which simulates VMEM and the DMA
 pipeline on CPU (and fills out-of-bounds reads with NaN, so a missing mask
 shows up in tests); on a TPU they are compiled by Mosaic.
 
-Layout shared by the three kernels (see docs/kernels.md for the VMEM budget):
+The grids, block shapes, VMEM accounting and matmul counts are written down
+in docs/kernels.md. In short: the token side is cut into chunks held in VMEM
+for a whole vocabulary sweep (the table is read once per chunk) and walked in
+`[block_t, block_v]` float32 logit tiles; D is taken whole; the ragged last
+vocab tile (table rows and logit columns past V) and the ragged token count
+(rows past T, where tokens are contracted) are masked in the kernel.
 
-  * The token side is cut into chunks of `token_chunk` rows. A chunk's hidden
-    block `[chunk, D]` stays in VMEM for a whole sweep of the vocabulary, so
-    the table is read from HBM once per chunk. Inside a grid step the chunk is
-    walked in sub-tiles of `block_t` rows, so one logit tile is
-    `[block_t, block_v]` float32 whatever the chunk size.
-  * D is taken whole (block dim = array dim): the table is never padded.
-  * The ragged last vocabulary tile is masked in the kernel: table rows past V
-    are zeroed (0 x garbage would be NaN) and logit columns past V dropped.
-    The ragged token count is masked where tokens are contracted (the dE
-    matmul); elsewhere rows past T only reach output rows that are clipped
-    when the block is written back.
-
-Forward, grid (token chunks "parallel", vocab tiles "arbitrary"): per-token
-sum_v softplus(x_tv) (and #{x_tv > 0}) accumulate in the `[chunk, 1]` output
-blocks, whose index does not change along the vocab axis, so they stay in
-VMEM and are written back once. One matmul per tile.
-
-Backward, one call per token chunk, grid (vocab tiles "arbitrary"): each step
-recomputes the logit tile, forms G = g_t sigmoid(x_tv) and does two more
-matmuls: dh_chunk += G @ E_tile into a float32 `[chunk, D]` output block with
-a constant index (resident in VMEM for the whole sweep, written back once),
-and dE_tile = given + G^T @ H_chunk into a `[block_v, D]` float32 output block
-written once per step. The given (sparse) table gradient comes in aliased to
-the dE output (`input_output_aliases`), so the dense part is added in place:
-no `[V, D]` temporary, no per-vocab-tile partials, nothing of size T x V.
-Three matmuls per tile instead of the four of split dh / dE kernels. Chunks
-run one after another (each reads and writes dE once), which is the outer
-loop over token chunks when the token side does not fit VMEM.
-
-Rank counts, grid (token chunks "parallel", vocab tiles "arbitrary"): one
-matmul per tile, then for each of the L targets a comparison of the tile with
-the target's logit; counts accumulate in the `[chunk, L]` int32 output block.
+  forward      grid (chunks "parallel", vocab tiles "arbitrary"), 1 matmul
+               per tile; per-token sums accumulate in `[chunk, 1]` output blocks.
+  backward     one call per chunk, grid (vocab tiles "arbitrary"), 3 matmuls
+               per tile (logits, G @ E, G^T @ H); dh accumulates in a resident
+               f32 `[chunk, D]` output block written once, dE in a
+               `[block_v, D]` f32 block written once per step, updated in place
+               over the given sparse part (`input_output_aliases`). No HBM
+               buffer grows with the number of vocab tiles; nothing is T x V.
+  rank_counts  grid (chunks "parallel", vocab tiles "arbitrary"), 1 matmul
+               and L comparisons per tile, counts in a `[chunk, L]` block.
 """
 
 from __future__ import annotations
@@ -170,11 +153,13 @@ def _geometry(plan: TilePlan, hidden, table, kernel: str, num_targets: int = 0) 
   num_tokens, (vocab, dim) = hidden.shape[0], table.shape
   itemsize = hidden.dtype.itemsize
   if plan.block_t is None or plan.token_chunk is None or plan.vmem_limit_bytes is None:
+    # Fields left None are taken from the planner's plan for these shapes.
     planned = default_plan(num_tokens, vocab, dim, hidden.dtype)
+    block_t = plan.block_t or planned.block_t
     plan = TilePlan(
         block_v=plan.block_v,
-        block_t=plan.block_t or planned.block_t,
-        token_chunk=plan.token_chunk or max(planned.token_chunk, plan.block_t or 0),
+        block_t=block_t,
+        token_chunk=plan.token_chunk or max(planned.token_chunk // block_t, 1) * block_t,
         vmem_limit_bytes=plan.vmem_limit_bytes or planned.vmem_limit_bytes,
     )
   sublanes = tiling.sublane_rows(itemsize)

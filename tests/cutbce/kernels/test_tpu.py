@@ -137,6 +137,16 @@ def test_backward_adds_given_table_grad_in_place():
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_planned_and_partial_plans_match_xla():
+  raw = make_inputs((20,), 300, 32, num_targets=2, num_exclude=1, seed=4)
+  hidden, table = jnp.asarray(raw["hidden"], jnp.float32), jnp.asarray(raw["table"], jnp.float32)
+  targets = jnp.asarray(raw["targets"])
+  want = cutbce.cut_bce(hidden, table, targets, backend="xla")
+  for plan in (None, TilePlan(block_v=128), TilePlan(block_v=256, block_t=8)):
+    got = cutbce.cut_bce(hidden, table, targets, backend="pallas_tpu", plan=plan)
+    np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=str(plan))
+
+
 def test_target_ranks_with_bias_and_exclude():
   raw = make_inputs((3, 13), 517, 32, num_targets=4, num_exclude=5, seed=3)
   args = {k: jnp.asarray(v, jnp.float32) if v.dtype == np.float64 else jnp.asarray(v)
