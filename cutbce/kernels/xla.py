@@ -30,6 +30,15 @@ from jax import lax
 from cutbce.kernels.tiling import TilePlan, default_xla_block_v
 
 
+def softplus(x):
+  """log(1 + e^x) = max(x, 0) + log1p(e^-|x|): stable for every x, and vectorizes.
+
+  The same identity `jax.nn.softplus` uses, without its inf/nan special cases,
+  which on CPU cost about 3x the whole tile's elementwise time.
+  """
+  return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
 def tile_logits(hidden, table_tile, bias_tile):
   """`[T, block_v]` float32 logits of one tile (MXU-style f32 accumulation)."""
   logits = lax.dot_general(
@@ -80,7 +89,7 @@ def forward(hidden, table, bias, *, plan: TilePlan, with_counts: bool):
     logits = tile_logits(
         hidden, _slice_rows(table, start, size), _slice_rows(bias, start, size)
     )  # [T, block_v]
-    softplus_sum = softplus_sum + jnp.sum(jax.nn.softplus(logits), axis=-1)
+    softplus_sum = softplus_sum + jnp.sum(softplus(logits), axis=-1)
     if with_counts:
       positive_count = positive_count + jnp.sum(logits > 0, axis=-1, dtype=jnp.int32)
     return softplus_sum, positive_count
