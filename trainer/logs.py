@@ -79,7 +79,5 @@ class Progress:
 
 
 def say(message: str) -> None:
-  """Logs and prints (progress must be visible without absl's log files)."""
+  """Logs on every process (absl); absl writes INFO to stderr under `app.run`."""
   logging.info("%s", message)
-  if jax.process_index() == 0:
-    print(message, flush=True)

@@ -39,7 +39,7 @@ def main(argv):
     jax.distributed.initialize()
   from trainer import config_checks, loop  # pylint: disable=import-outside-toplevel
   try:
-    loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except config_checks.ConfigError as error:
     logging.error("bad config: %s", error)
     print(f"bad config: {error}", file=sys.stderr)
@@ -48,6 +48,8 @@ def main(argv):
     logging.error("%s", error)
     print(str(error), file=sys.stderr)
     sys.exit(3)
+  if jax.process_index() == 0 and "table" in result:
+    print(result["table"], flush=True)
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def train_step(state, batch, *, graphdef, tx, schedule, settings: StepSettings):
   (loss, stats), grads = grad_fn(state["params"], graphdef, batch, dropout_key, settings)
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   metrics = {
       "loss": loss,
       "grad_norm": grad_norm,
