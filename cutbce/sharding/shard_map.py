@@ -250,7 +250,7 @@ def sharded_cut_bce(
     >>> targets = jnp.array([[[1], [2], [-1]], [[3], [3], [4]]])
     >>> float(sharded_cut_bce(hidden, table, targets, mesh=mesh, vocab_axis="model",
     ...                       vocab_reduction="sum"))
-    6.1314...
+    6.9314...
   """
   inputs.check_choice("reduction", reduction, inputs.REDUCTIONS)
   inputs.check_choice("vocab_reduction", vocab_reduction, inputs.VOCAB_REDUCTIONS)
