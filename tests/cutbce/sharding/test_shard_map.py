@@ -176,3 +176,15 @@ def test_bad_inputs():
     sharded_cut_bce(hidden, table, targets[:, :3], mesh=mesh)
   with pytest.raises(ValueError, match=r"reduction must be one of"):
     sharded_cut_bce(hidden, table, targets, mesh=mesh, reduction="avg")
+
+
+def test_collective_report_sees_loops():
+  mesh = _mesh((8, 1))
+
+  def local(x):
+    return jax.lax.fori_loop(0, 3, lambda i, c: jax.lax.psum(c, "data") * 0.5, x)
+
+  looped = jax.jit(jax.shard_map(
+      local, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
+  report = collective_report(looped.lower(jnp.ones((8, 4))).compile().as_text())
+  assert report.in_loop == ("all-reduce",), report
