@@ -79,5 +79,7 @@ class Progress:
 
 
 def say(message: str) -> None:
-  """Logs on every process (absl); absl writes INFO to stderr under `app.run`."""
+  """Logs on every process (absl) and prints on process 0 (stdout)."""
   logging.info("%s", message)
+  if jax.process_index() == 0:
+    print(message, flush=True)

@@ -29,6 +29,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    # Progress goes to stdout; keep the libraries' INFO lines off stderr.
+    logging.set_verbosity(logging.WARNING)
   import jax  # pylint: disable=import-outside-toplevel
   if _COORDINATOR.value is not None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -48,8 +51,6 @@ def main(argv):
     logging.error("%s", error)
     print(str(error), file=sys.stderr)
     sys.exit(3)
-  if jax.process_index() == 0 and "table" in result:
-    print(result["table"], flush=True)
 
 
 if __name__ == "__main__":

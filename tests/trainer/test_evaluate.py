@@ -1,0 +1,66 @@
+"""Evaluation against a brute-force NumPy ranking on a tiny model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import cutbce
+from trainer import config_checks, evaluate
+from trainer import train as train_lib
+
+
+@pytest.mark.parametrize("filter_seen,vocab_axis", [(True, None), (False, None), (True, "model")])
+def test_eval_matches_numpy_ranking(smoke_config, filter_seen, vocab_axis):
+  config = smoke_config
+  config.mesh.axis_names, config.mesh.shape = ("data", "model"), (2, 4)
+  config.mesh.token_axes, config.mesh.vocab_axis = ("data",), vocab_axis
+  mesh = config_checks.make_mesh(config)
+  num_items, batch, seq_len, num_targets, num_exclude = 29, 8, 16, 3, 5
+  vocab_shards = config_checks.vocab_shard_count(config)
+  model = train_lib.make_model(config.model, num_items=num_items, seq_len=seq_len,
+                               vocab_shards=vocab_shards, seed=3)
+  graphdef, params = nnx.split(model)
+  params = nnx.to_pure_dict(params)
+  rng = np.random.default_rng(0)
+  inputs = rng.integers(0, num_items, (batch, seq_len)).astype(np.int32)
+  inputs[:, :4] = num_items  # left padding, as the pipeline does
+  targets = rng.integers(-1, num_items, (batch, num_targets)).astype(np.int32)
+  targets[:, 0] = rng.integers(0, num_items, batch)  # every row has a target
+  exclude = rng.integers(-1, num_items, (batch, num_exclude)).astype(np.int32)
+  weights = np.ones(batch, np.float32)
+  weights[-1] = 0.0  # a padding row of the last eval batch
+  settings = train_lib.StepSettings(
+      mesh=mesh, token_axes=("data",), vocab_axis=vocab_axis, num_items=num_items, seed=0,
+      backend="xla", vocab_reduction="sum")
+  shardings = train_lib.state_shardings({"params": params}, mesh, vocab_axis)["params"]
+  step = evaluate.jit_eval_step(graphdef, settings, shardings, filter_seen=filter_seen,
+                                ks=(1, 5, 10))
+  sharding = train_lib.batch_sharding(mesh, ("data",))
+  batch_arrays = {k: jax.device_put(v, sharding) for k, v in dict(
+      inputs=inputs, targets=targets, exclude=exclude, weights=weights).items()}
+  got = evaluate.combine([step(jax.device_put(params, shardings), batch_arrays)])
+
+  hidden = np.asarray(model(jnp.asarray(inputs))[:, -1], np.float64)
+  table = np.asarray(model.item_table, np.float64)[:num_items]
+  want_ranks = evaluate.numpy_ranks(hidden[:-1], table, targets[:-1],
+                                    exclude[:-1] if filter_seen else None)
+  want = jax.device_get(cutbce.rank_metrics(jnp.asarray(want_ranks), ks=(1, 5, 10)))
+  assert got["num_users"] == batch - 1
+  for name in ("recall@1", "ndcg@5", "hit@10", "recall@10", "mrr"):
+    np.testing.assert_allclose(got[name], float(want[name]), rtol=1e-5, err_msg=name)
+
+
+def test_numpy_ranks_by_hand():
+  hidden = np.array([[1.0, 0.0]])
+  table = np.array([[3.0, 0], [2.0, 0], [1.0, 0], [0.0, 0]])
+  # Item 0 is excluded, so item 1 ranks first and item 2 second.
+  np.testing.assert_array_equal(
+      evaluate.numpy_ranks(hidden, table, np.array([[2, 1, -1]]), np.array([[0, -1]])),
+      [[2, 1, 0]])
+
+
+def test_format_table():
+  table = evaluate.format_table({"test": {"recall@10": 0.5, "mrr": 0.25, "num_users": 3}})
+  assert "recall@10" in table and "0.5000" in table and "test" in table

@@ -1,0 +1,63 @@
+"""Config checks and the command line: bad configs fail at start, explained."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import base, ml1m, ml1m_cpu, smoke, synthetic_1m, yambda50m_v6e8
+from trainer import config_checks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REQUIRED = ("seed", "train_steps", "batch_size", "seq_len", "num_targets", "mesh", "model",
+            "optimizer", "data", "loss", "eval_every", "checkpoint_every", "log_every")
+
+
+@pytest.mark.parametrize("module", [base, smoke, ml1m, ml1m_cpu, synthetic_1m, yambda50m_v6e8])
+def test_every_config_is_complete_and_valid(module):
+  config = module.get_config()
+  for field in REQUIRED:
+    assert field in config, field
+  assert "backend" in config.loss and module.__doc__
+  devices = 1
+  for size in config.mesh.shape:
+    devices *= size
+  config_checks.check_config(config, device_count=devices)
+
+
+def test_yambda_config_is_the_paper_setting():
+  config = yambda50m_v6e8.get_config()
+  assert (config.batch_size, config.seq_len, config.num_targets) == (64, 256, 8)
+  assert config.model.dtype == "bfloat16" and tuple(config.mesh.shape) == (2, 4)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: setattr(c.mesh, "shape", (4,)), "covers 4 devices, but 8 are present"),
+    (lambda c: setattr(c.data, "dataset", "ml-10m"), "unknown dataset"),
+    (lambda c: setattr(c.loss, "backend", "cuda"), "unknown loss backend"),
+    (lambda c: setattr(c, "batch_size", 12), "not divisible by the 8 shards"),
+    (lambda c: setattr(c.mesh, "token_axes", ("batch",)), "subset of"),
+    (lambda c: setattr(c.mesh, "vocab_axis", "model"), "not one of"),
+    (lambda c: setattr(c.model, "dtype", "float16"), "dtype"),
+    (lambda c: setattr(c, "train_steps", 0), "train_steps must be an integer >= 1"),
+])
+def test_bad_config_is_explained(change, message):
+  config = smoke.get_config()
+  change(config)
+  with pytest.raises(config_checks.ConfigError, match=message):
+    config_checks.check_config(config, device_count=8)
+
+
+def test_main_rejects_a_bad_mesh_before_any_work(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+      [sys.executable, "-m", "trainer.main", "--config=configs/smoke.py",
+       f"--workdir={tmp_path}", "--config.mesh.shape=(4,)"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "bad config: config.mesh.shape (4,) covers 4 devices, but 8 are present" in (
+      result.stderr)
+  assert "Traceback" not in result.stderr
+  assert not os.path.exists(tmp_path / "checkpoints")
