@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cutbce
+from cutbce import sharding as cutbce_sharding
 from trainer import train as train_lib
 
 
@@ -38,8 +39,7 @@ def eval_step(params, batch, *, graphdef, settings: train_lib.StepSettings, filt
   padding = train_lib.padding_exclude(hidden.shape[:-1], settings.num_items, table.shape[0])
   if padding is not None:
     exclude = padding if exclude is None else jnp.concatenate([exclude, padding], axis=-1)
-  _, ranks_op = train_lib.sharded_ops()
-  ranks = ranks_op(hidden, table, targets, mesh=settings.mesh, token_axes=settings.token_axes,
+  ranks = cutbce_sharding.sharded_target_ranks(hidden, table, targets, mesh=settings.mesh, token_axes=settings.token_axes,
                    vocab_axis=settings.vocab_axis, exclude=exclude, backend=settings.backend)
   return cutbce.rank_metrics(ranks, ks=ks)
 

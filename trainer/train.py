@@ -27,50 +27,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import cutbce
+from cutbce import sharding as cutbce_sharding
 from trainer import model as model_lib
 
 TrainState = dict  # {"step": int32 [], "params": dict, "opt_state": optax state}
-
-
-# --------------------------------------------------------------------------- #
-# The sharded loss and ranks: cutbce.sharding, with a fallback to the plain    #
-# op under sharding constraints while that package is not installed.           #
-# --------------------------------------------------------------------------- #
-
-
-def _constrain(mesh, token_axes, vocab_axis, hidden, table, *token_arrays):
-  token_spec = P(tuple(token_axes))
-  hidden = jax.lax.with_sharding_constraint(hidden, NamedSharding(mesh, token_spec))
-  table = jax.lax.with_sharding_constraint(table, NamedSharding(mesh, P(vocab_axis, None)))
-  token_arrays = [
-      None if x is None else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, token_spec))
-      for x in token_arrays
-  ]
-  return hidden, table, token_arrays
-
-
-def _fallback_sharded_cut_bce(hidden, table, targets, weights=None, *, mesh,
-                              token_axes=("data",), vocab_axis=None, **cut_bce_kwargs):
-  """`cutbce.cut_bce` with its inputs constrained to the mesh; XLA partitions it."""
-  hidden, table, (targets, weights) = _constrain(
-      mesh, token_axes, vocab_axis, hidden, table, targets, weights)
-  return cutbce.cut_bce(hidden, table, targets, weights, **cut_bce_kwargs)
-
-
-def _fallback_sharded_target_ranks(hidden, table, targets, *, mesh, token_axes=("data",),
-                                   vocab_axis=None, **kwargs):
-  hidden, table, (targets,) = _constrain(mesh, token_axes, vocab_axis, hidden, table, targets)
-  return cutbce.target_ranks(hidden, table, targets, **kwargs)
-
-
-def sharded_ops() -> tuple[Callable, Callable]:
-  """`(sharded_cut_bce, sharded_target_ranks)`: cutbce.sharding's, or the fallbacks."""
-  try:
-    from cutbce import sharding  # pylint: disable=import-outside-toplevel
-    return sharding.sharded_cut_bce, sharding.sharded_target_ranks
-  except (ImportError, AttributeError):
-    return _fallback_sharded_cut_bce, _fallback_sharded_target_ranks
 
 
 def padding_exclude(leading_shape: tuple[int, ...], num_items: int, table_rows: int):
@@ -170,8 +130,7 @@ def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings
   model = nnx.merge(graphdef, params)
   hidden = model(batch["inputs"], deterministic=False, rngs=nnx.Rngs(dropout=dropout_key))
   table = model.item_table  # [V_padded, D]
-  loss_op, _ = sharded_ops()
-  loss, stats = loss_op(
+  loss, stats = cutbce_sharding.sharded_cut_bce(
       hidden, table, batch["targets"], batch["weights"], mesh=settings.mesh,
       token_axes=settings.token_axes, vocab_axis=settings.vocab_axis,
       exclude=padding_exclude(hidden.shape[:-1], settings.num_items, table.shape[0]),
