@@ -109,3 +109,44 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(smoke_config, tmp_path, m
   with pytest.raises(loop.NonFiniteLossError, match="step 13 are not finite.*checkpoint is step 10"):
     loop.train_and_evaluate(smoke_config, workdir)
   assert sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints"))) == [10]
+
+
+def test_yambda_train_step_exports_for_tpu():
+  """The paper-setting step (876,939 items, 64 x 256 x 8, bf16, 2 x 4 mesh,
+  Pallas kernels) lowers for TPU from this CPU host, from abstract arrays."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from configs import yambda50m_v6e8  # pylint: disable=import-outside-toplevel
+  from cutbce.kernels import tpu  # pylint: disable=import-outside-toplevel
+  from trainer import config_checks  # pylint: disable=import-outside-toplevel
+  config = yambda50m_v6e8.get_config()
+  config.loss.backend = "pallas_tpu"
+  config_checks.check_config(config, device_count=8)
+  mesh = config_checks.make_mesh(config)
+  num_items, vocab_shards = 876_939, config_checks.vocab_shard_count(config)
+  tx = train_lib.make_optimizer(config.optimizer, config.train_steps)
+  schedule = train_lib.learning_rate_schedule(config.optimizer, config.train_steps)
+
+  def new_model():
+    return train_lib.make_model(config.model, num_items=num_items, seq_len=config.seq_len,
+                                vocab_shards=vocab_shards, seed=0)
+
+  graphdef = nnx.graphdef(nnx.eval_shape(new_model))
+  abstract = jax.eval_shape(lambda: train_lib.init_state(new_model(), tx)[1])
+  shardings = train_lib.state_shardings(abstract, mesh, config.mesh.vocab_axis)
+  settings = train_lib.StepSettings(
+      mesh=mesh, token_axes=tuple(config.mesh.token_axes), vocab_axis=config.mesh.vocab_axis,
+      num_items=num_items, seed=0, backend="pallas_tpu", vocab_reduction="sum")
+  step = train_lib.jit_train_step(graphdef, tx, schedule, settings, shardings)
+  batch_sharding = train_lib.batch_sharding(mesh, config.mesh.token_axes)
+  b, n, l = config.batch_size, config.seq_len, config.num_targets
+  batch = {
+      "inputs": jax.ShapeDtypeStruct((b, n), jnp.int32, sharding=batch_sharding),
+      "targets": jax.ShapeDtypeStruct((b, n, l), jnp.int32, sharding=batch_sharding),
+      "weights": jax.ShapeDtypeStruct((b, n), jnp.float32, sharding=batch_sharding),
+  }
+  with tpu.compiled_for_tpu():
+    exported = jax.export.export(step, platforms=("tpu",))(
+        train_lib.abstract_state(abstract, shardings), batch)
+  assert exported.platforms == ("tpu",)
+  assert "tpu_custom_call" in exported.mlir_module()
