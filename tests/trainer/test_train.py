@@ -3,6 +3,9 @@
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -26,6 +29,7 @@ def one_go(tmp_path_factory, smoke_data_dir):
   config.data.prepared_dir = smoke_data_dir
   config.train_steps, config.eval_every, config.checkpoint_every = 20, 1_000, 10
   config.eval.max_batches = 1
+  config.profile.start_step, config.profile.num_steps = 3, 2
   workdir = str(tmp_path_factory.mktemp("one_go"))
   return workdir, loop.train_and_evaluate(config, workdir)
 
@@ -41,6 +45,7 @@ def test_smoke_loss_falls_on_8_devices(one_go):
     assert 0.0 <= result["eval"]["test"][name] <= 1.0
   assert "recall@10" in result["table"]
   assert os.listdir(os.path.join(workdir, "tensorboard"))
+  assert os.listdir(os.path.join(workdir, "profile"))
 
 
 def test_ten_plus_restart_plus_ten_equals_twenty(one_go, smoke_config, tmp_path):
@@ -150,3 +155,30 @@ def test_yambda_train_step_exports_for_tpu():
         train_lib.abstract_state(abstract, shardings), batch)
   assert exported.platforms == ("tpu",)
   assert "tpu_custom_call" in exported.mlir_module()
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_running_process_then_restart(tmp_path, smoke_data_dir):
+  """A real `python -m trainer.main` gets SIGTERM mid-run, exits 0, and resumes."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  command = [sys.executable, "-m", "trainer.main", "--config=configs/smoke.py",
+             f"--workdir={tmp_path}", "--config.train_steps=100000",
+             f"--config.data.prepared_dir={smoke_data_dir}", "--config.eval.max_batches=1"]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  process = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+  metrics = tmp_path / "metrics.jsonl"
+  deadline = time.time() + 120
+  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+    assert time.time() < deadline and process.poll() is None
+    time.sleep(0.2)
+  process.send_signal(signal.SIGTERM)
+  output, _ = process.communicate(timeout=120)
+  assert process.returncode == 0, output[-2000:]
+  saved = max(int(s) for s in os.listdir(tmp_path / "checkpoints"))
+  assert f"SIGTERM: saved the checkpoint of step {saved} and stopped" in output
+  result = subprocess.run(command[:-3] + [f"--config.train_steps={saved + 5}"] + command[-2:],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert f"resumed from the checkpoint of step {saved}" in result.stdout
+  assert f"step {saved + 5}/{saved + 5}" in result.stdout
