@@ -295,6 +295,30 @@ def _forward_kernel(*refs, geom: _Geometry, has_bias: bool, with_counts: bool):
   _for_each_subtile(geom.num_subtiles, accumulate)
 
 
+def _token_by_vocab_inputs(geom, hidden, table, bias):
+  """Specs and operands of a (token chunks, vocab tiles) grid: hidden, table, bias.
+
+  The forward and rank kernels walk the same grid: a `[chunk, D]` hidden block
+  that stays put along the vocab axis, a `[block_v, D]` table block per step
+  and, with a bias, its `[1, block_v]` float32 slice.
+  """
+  dim = hidden.shape[1]
+  in_specs = [
+      pl.BlockSpec((geom.chunk, dim), _token_index_map),
+      pl.BlockSpec((geom.block_v, dim), lambda chunk, tile: (tile, 0)),
+  ]
+  operands = [hidden, table]
+  if bias is not None:
+    in_specs.append(pl.BlockSpec((1, geom.block_v), lambda chunk, tile: (0, tile)))
+    operands.append(bias.astype(jnp.float32).reshape(1, -1))
+  return in_specs, operands
+
+
+def _token_index_map(chunk, tile):
+  del tile
+  return chunk, 0
+
+
 @functools.partial(jax.named_call, name="cutbce_tpu_forward")
 def forward(hidden, table, bias, *, plan: TilePlan, with_counts: bool):
   """sum_v softplus(x_tv) `[T]` f32 and #{x_tv > 0} `[T]` int32 (or None)."""
@@ -302,18 +326,8 @@ def forward(hidden, table, bias, *, plan: TilePlan, with_counts: bool):
   geom = _geometry(plan, hidden, table, "forward")
   num_tokens, dim = hidden.shape
   has_bias = bias is not None
-  hidden_index_map = lambda chunk, tile: (chunk, 0)
-  table_index_map = lambda chunk, tile: (tile, 0)
-  bias_index_map = lambda chunk, tile: (0, tile)
-  in_specs = [
-      pl.BlockSpec((geom.chunk, dim), hidden_index_map),
-      pl.BlockSpec((geom.block_v, dim), table_index_map),
-  ]
-  operands = [hidden, table]
-  if has_bias:
-    in_specs.append(pl.BlockSpec((1, geom.block_v), bias_index_map))
-    operands.append(bias.astype(jnp.float32).reshape(1, -1))
-  token_spec = pl.BlockSpec((geom.chunk, 1), hidden_index_map)
+  in_specs, operands = _token_by_vocab_inputs(geom, hidden, table, bias)
+  token_spec = pl.BlockSpec((geom.chunk, 1), _token_index_map)
   out_specs = [token_spec]
   out_shape = [jax.ShapeDtypeStruct((num_tokens, 1), jnp.float32)]
   if with_counts:
@@ -547,18 +561,8 @@ def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePla
     return jnp.concatenate(groups, axis=1)
   geom = _geometry(plan, hidden, table, "ranks", num_targets)
   has_bias = bias is not None
-  hidden_index_map = lambda chunk, tile: (chunk, 0)
-  table_index_map = lambda chunk, tile: (tile, 0)
-  bias_index_map = lambda chunk, tile: (0, tile)
-  in_specs = [
-      pl.BlockSpec((geom.chunk, dim), hidden_index_map),
-      pl.BlockSpec((geom.block_v, dim), table_index_map),
-  ]
-  operands = [hidden, table]
-  if has_bias:
-    in_specs.append(pl.BlockSpec((1, geom.block_v), bias_index_map))
-    operands.append(bias.astype(jnp.float32).reshape(1, -1))
-  target_spec = pl.BlockSpec((geom.chunk, num_targets), hidden_index_map)
+  in_specs, operands = _token_by_vocab_inputs(geom, hidden, table, bias)
+  target_spec = pl.BlockSpec((geom.chunk, num_targets), _token_index_map)
   in_specs += [target_spec, target_spec]
   operands += [target_logits.astype(jnp.float32), target_ids.astype(jnp.int32)]
   vocab = table.shape[0]
