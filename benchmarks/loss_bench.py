@@ -70,18 +70,23 @@ def matmul_floor_fn(block_v):
   return fn
 
 
-def measure(fn, args, repeats, run=True):
+def compile_with_temp(fn, args):
   compiled = jax.jit(fn).lower(*args).compile()
-  temp = compiled.memory_analysis().temp_size_in_bytes
-  if not run:
-    return temp, None
-  jax.block_until_ready(compiled(*args))  # warm-up
-  best = float("inf")
+  return compiled, compiled.memory_analysis().temp_size_in_bytes
+
+
+def interleaved_min_times(compiled_fns, args, repeats):
+  """Min wall time of each compiled fn; runs are interleaved so that load on a
+  shared machine hits every contender alike. One warm-up run each first."""
+  for fn in compiled_fns.values():
+    jax.block_until_ready(fn(*args))
+  best = {name: float("inf") for name in compiled_fns}
   for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    best = min(best, time.perf_counter() - start)
-  return temp, best
+    for name, fn in compiled_fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      best[name] = min(best[name], time.perf_counter() - start)
+  return best
 
 
 def peak_flops_estimate():
@@ -129,14 +134,17 @@ def main():
     plan = (cutbce.TilePlan(block_v=args.block_v) if args.block_v
             else xla_kernels.default_plan(tokens, vocab, args.dim, dtype))
     grad = lambda f: jax.value_and_grad(f, argnums=(0, 1))
-    cut_temp, cut_time = measure(grad(loss_fn("xla", plan)), operands, args.repeats)
-    row = dict(vocab=vocab, block_v=plan.block_v, cut_temp_bytes=cut_temp, cut_seconds=cut_time)
+    contenders, row = {}, dict(vocab=vocab, block_v=plan.block_v)
+    contenders["cut"], row["cut_temp_bytes"] = compile_with_temp(grad(loss_fn("xla", plan)), operands)
     if vocab <= args.cut_only_above:
-      dense_temp, _ = measure(grad(loss_fn("dense")), operands, 0, run=False)
-      runnable = dense_temp <= args.dense_limit_gib * 2**30
-      _, dense_time = measure(grad(loss_fn("dense")), operands, args.repeats, run=runnable)
-      _, floor_time = measure(matmul_floor_fn(plan.block_v), operands, args.repeats)
-      row.update(dense_temp_bytes=dense_temp, dense_seconds=dense_time, floor_seconds=floor_time)
+      dense, row["dense_temp_bytes"] = compile_with_temp(grad(loss_fn("dense")), operands)
+      if row["dense_temp_bytes"] <= args.dense_limit_gib * 2**30:
+        contenders["dense"] = dense
+      contenders["floor"], _ = compile_with_temp(matmul_floor_fn(plan.block_v), operands)
+    times = interleaved_min_times(contenders, operands, args.repeats)
+    for name, seconds in times.items():
+      row[f"{name}_seconds"] = seconds
+    cut_time, cut_temp = row["cut_seconds"], row["cut_temp_bytes"]
     flops = 8 * tokens * vocab * args.dim
     row["cut_fraction_of_peak"] = flops / cut_time / peak if peak else None
     rows.append(row)
