@@ -8,19 +8,20 @@ as labels) with only `loss.backend` changed: "dense" (materialized logits
 under XLA's partitioner) or "xla" (CutBCE's tiled path inside shard_map).
 Batches are random ids (speed and memory do not depend on the values).
 
-Part 1, V = 131,072: both variants compiled once; per-device memory from
-`compiled.memory_analysis()`; then, after a warm-up step each, the two
-compiled steps are run interleaved (dense, cutbce, dense, ...) so both see the
-same machine load; min and median step time of each.
+Part 1, V = 131,072, global batch 8 x 256 (one sequence per device; 16 would
+need ~15 GiB of host memory for dense's buffers): both variants compiled once,
+per-device memory from `compiled.memory_analysis()`; then, after a warm-up
+step each, the two compiled steps run interleaved (dense, cutbce, dense, ...)
+so both see the same machine load; min and median step time of each.
 
-Part 2, V = 876,939 (the paper's catalog), N = 256, L = 8: per-device compiled
-memory of both at the paper's per-chip share (`--paper-batch` = 128 global
-sequences: 16 per device, 64 x 256 tokens per device after the gather over
-"model" against a quarter of the table; the dense logits are then
-64 x 256 x 219,235 float32 = 13.4 GiB per device, the paper's figure), compile
-only; then a few real CutBCE steps at a reduced global batch (`--big-run-batch`)
-that fits 2 CPU cores, and dense at that batch only when its compiled
-footprint over all devices is under `--max-run-gib`.
+Part 2, V = 876,939 (the paper's catalog), N = 256, L = 8, bfloat16 compute
+(as the v6e config): per-device compiled memory of both at the paper's
+per-chip share (`--paper-batch` = 128 global sequences, 16 x 256 tokens per
+device: one float32 [tokens, V] array is then 13.4 GiB per device, the
+paper's figure), compile only; then a few real CutBCE steps at a reduced
+global batch (`--big-run-batch`) that 2 CPU cores can run, and dense at that
+batch only when its compiled footprint over all devices is under
+`--max-run-gib` (otherwise compile only).
 
 "Peak" below is the compiled program's own estimate of a device's live bytes:
 arguments + outputs - donated aliases + temporaries.
@@ -176,6 +177,10 @@ def part_speed(args, out):
     mem = step.compile()
     section["variants"][name] = {"memory": mem}
     print(_mem_row(name, args.vocab, args.batch, mem), flush=True)
+  footprint = max(v["memory"]["peak_bytes_per_device"] for v in section["variants"].values())
+  if footprint * len(jax.devices()) > args.max_run_gib * GIB:
+    raise SystemExit(f"the steps need {footprint * len(jax.devices()) / GIB:.1f} GiB over all "
+                     f"devices > --max-run-gib={args.max_run_gib}: lower --batch")
   batch = random_batch(steps["cutbce"], 0)
   for name, step in steps.items():
     step.init()
@@ -256,7 +261,8 @@ def part_paper(args, out):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--vocab", type=int, default=131_072)
-  parser.add_argument("--batch", type=int, default=16, help="global batch of part 1")
+  parser.add_argument("--batch", type=int, default=8,
+                      help="global batch of part 1 (1 sequence per device)")
   parser.add_argument("--seq", type=int, default=256)
   parser.add_argument("--num-targets", type=int, default=8)
   parser.add_argument("--dim", type=int, default=128)
@@ -269,7 +275,8 @@ def main():
   parser.add_argument("--big-run-batch", type=int, default=8,
                       help="reduced global batch of the real steps at the big V")
   parser.add_argument("--big-steps", type=int, default=3)
-  parser.add_argument("--max-run-gib", type=float, default=16.0)
+  parser.add_argument("--max-run-gib", type=float, default=10.0,
+                      help="host memory (all devices) a timed program may use")
   parser.add_argument("--run-big-dense", action="store_true")
   parser.add_argument("--parts", default="speed,paper")
   parser.add_argument("--quick", action="store_true", help="tiny shapes, seconds")
