@@ -192,9 +192,10 @@ def cmd_collect(args):
 
 def cmd_compare(args):
   """Per-step train losses of two runs (same config, different loss.backend)."""
-  def losses(workdir):
-    return {r["step"]: r["loss"] for r in read_metrics(workdir) if r["kind"] == "train"}
+  def losses(workdir, key="loss"):
+    return {r["step"]: r[key] for r in read_metrics(workdir) if r["kind"] == "train"}
   cut, dense = losses(args.cutbce), losses(args.dense)
+  cut_norm, dense_norm = losses(args.cutbce, "grad_norm"), losses(args.dense, "grad_norm")
   steps = sorted(set(cut) & set(dense))
   if not steps:
     raise SystemExit("no common logged step")
@@ -204,11 +205,18 @@ def cmd_compare(args):
     print(f"{s:>6} {cut[s]:>12.5f} {dense[s]:>12.5f} {r:>10.2e}")
   report = {"steps": steps, "cutbce_loss": [cut[s] for s in steps],
             "dense_loss": [dense[s] for s in steps], "relative_diff": rel,
-            "max_relative_diff": max(rel), "command": _command()}
+            "max_relative_diff": max(rel),
+            "cutbce_grad_norm": [cut_norm[s] for s in steps],
+            "dense_grad_norm": [dense_norm[s] for s in steps],
+            "max_grad_norm_relative_diff": max(
+                abs(cut_norm[s] - dense_norm[s]) / max(abs(dense_norm[s]), 1e-12) for s in steps),
+            "command": _command()}
   path = pathlib.Path(args.out)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(report, indent=2) + "\n")
-  print(f"max relative difference {max(rel):.2e} over {len(steps)} logged steps; wrote {path}")
+  print(f"max relative difference {max(rel):.2e} (loss), "
+        f"{report['max_grad_norm_relative_diff']:.2e} (gradient norm) over {len(steps)} "
+        f"logged steps; wrote {path}")
   if args.plot:
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
