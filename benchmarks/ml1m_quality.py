@@ -226,7 +226,7 @@ def cmd_compare(args):
     ax.plot(steps, report["cutbce_loss"], "x--", label="CutBCE (xla)")
     ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("train loss (sum over items, mean over positions)")
+    ax.set_ylabel("train loss")
     ax.set_title("ML-1M SASRec: same config, two loss backends")
     ax.legend()
     fig.tight_layout()
