@@ -3,8 +3,10 @@
 `configs/ml1m.py` with 4,000 steps instead of 6,000 (about 20 epochs of the
 13,055 windows of N = 100; the cosine schedule ends at step 4,000):
 evaluation on every validation user every 1,000 steps, and on validation
-and test at the end (full catalog, history excluded). `configs/ml1m.py` is
-the longer run.
+and test at the end (full catalog, history excluded). One run took 13.4
+minutes on 2 shared cores and reached test HR@10 0.271, NDCG@10 0.150, MRR
+0.129 (docs/results/ml1m_tuning/n100_l4_b64_4000steps.json).
+`configs/ml1m.py` is the longer run.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \
     python -m trainer.main --config=configs/ml1m_cpu.py --workdir=/tmp/ml1m_cpu
