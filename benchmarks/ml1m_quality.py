@@ -157,7 +157,7 @@ def write_report(config, workdir: str, out: str, *, wall_s: float | None, comman
       "validation_curve": [{"step": r["step"], "ndcg@10": r["ndcg@10"], "hit@10": r["hit@10"]}
                            for r in records if r["kind"] == "eval/validation"],
       "loss_backend": config.loss.backend,
-      "config": json.loads(config.to_json()),
+      "config": _recorded_config(config),
       "command": command,
       "machine": {"cpu_count": os.cpu_count(), "devices": len(jax.devices()),
                   "platform": jax.default_backend(),
@@ -234,8 +234,19 @@ def cmd_compare(args):
     print(f"wrote {args.plot}")
 
 
+def _recorded_config(config) -> dict:
+  """The config as JSON, without the (machine-specific) prepared-data folder."""
+  recorded = json.loads(config.to_json())
+  recorded["data"]["prepared_dir"] = None
+  return recorded
+
+
 def _command() -> str:
-  return "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
+  """This command line, without the (machine-specific) prepared-data folder."""
+  args = [a for a in sys.argv[1:] if not a.startswith("data.prepared_dir=")]
+  args = [a for i, a in enumerate(args) if not (a == "--set" and (
+      i + 1 == len(args) or args[i + 1].startswith("--")))]
+  return "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + args)
 
 
 def main():
