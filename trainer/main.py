@@ -41,11 +41,18 @@ def main(argv):
   elif _DISTRIBUTED.value:
     jax.distributed.initialize()
   from trainer import config_checks, loop  # pylint: disable=import-outside-toplevel
+  from trainer.data import movielens  # pylint: disable=import-outside-toplevel
   try:
     result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except config_checks.ConfigError as error:
     logging.error("bad config: %s", error)
     print(f"bad config: {error}", file=sys.stderr)
+    sys.exit(2)
+  except (movielens.RegistryUnavailableError, FileNotFoundError) as error:
+    # The dataset cannot be had (no registry and no cache, or missing files):
+    # one line naming what is missing, not a traceback.
+    logging.error("data unavailable: %s", error)
+    print(f"data unavailable: {error}", file=sys.stderr)
     sys.exit(2)
   except loop.NonFiniteLossError as error:
     logging.error("%s", error)

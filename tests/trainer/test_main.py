@@ -61,3 +61,16 @@ def test_main_rejects_a_bad_mesh_before_any_work(tmp_path):
       result.stderr)
   assert "Traceback" not in result.stderr
   assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_main_explains_missing_data_in_one_line(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  missing = tmp_path / "no_such_folder"
+  result = subprocess.run(
+      [sys.executable, "-m", "trainer.main", "--config=configs/yambda50m_v6e8.py",
+       f"--workdir={tmp_path / 'work'}", f"--config.data.source_options.path={missing}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert f"data unavailable: Yambda folder {missing} does not exist" in result.stderr
+  assert "Traceback" not in result.stderr
