@@ -51,7 +51,7 @@ def _unsupported_reason(backend: str, flat: inputs.Flat, plan: TilePlan | None =
   """Why `backend`'s kernels cannot take `flat`, or None (kernel sets without a check take all)."""
   if BACKENDS[backend] is None:
     return None
-  check = getattr(_kernels(backend), "unsupported_reason", None)
+  check = getattr(kernel_module(backend), "unsupported_reason", None)
   if check is None:
     return None
   hidden, table = flat.hidden, flat.table
@@ -72,13 +72,14 @@ def check_backend_supports(backend: str, flat: inputs.Flat, plan: TilePlan | Non
 
 def _kernel_module_available(name: str) -> bool:
   try:
-    _kernels(name)
+    kernel_module(name)
   except ImportError:
     return False
   return True
 
 
-def _kernels(name: str):
+def kernel_module(name: str):
+  """The kernel set (module) of a tiled backend name, e.g. `cutbce.kernels.xla`."""
   return importlib.import_module(BACKENDS[name])
 
 
@@ -103,7 +104,7 @@ def tiled_forward(backend, plan, with_counts, hidden, table, bias, ids, vocab):
   Returns:
     (`[T]` float32 l_t, `sparse.TokenCounts` or None).
   """
-  kernels = _kernels(backend)
+  kernels = kernel_module(backend)
   softplus_sum, positive_count = kernels.forward(
       hidden, table, bias, plan=plan, with_counts=with_counts
   )
@@ -127,7 +128,7 @@ def tiled_backward(backend, plan, hidden, table, bias, ids, scale):
   hidden_grad, table_grad, bias_grad = sparse.sparse_grads(
       hidden, table, bias is not None, all_ids, coefficients
   )
-  dense_hidden_grad, table_grad, bias_grad = _kernels(backend).backward(
+  dense_hidden_grad, table_grad, bias_grad = kernel_module(backend).backward(
       hidden, table, bias, scale, table_grad, bias_grad, plan=plan
   )
   return hidden_grad + dense_hidden_grad, table_grad, bias_grad
@@ -167,7 +168,7 @@ _tiled_loss.defvjp(_tiled_loss_fwd, _tiled_loss_bwd)
 
 def default_plan(backend: str, num_tokens: int, vocab: int, dim: int, dtype) -> TilePlan:
   """The tiled backend's own plan for `[num_tokens, dim]` tokens against `vocab` rows."""
-  return _kernels(backend).default_plan(num_tokens, vocab, dim, dtype)
+  return kernel_module(backend).default_plan(num_tokens, vocab, dim, dtype)
 
 
 def _resolve_plan(backend: str, plan: TilePlan | None, flat: inputs.Flat, num_rows: int):
@@ -281,13 +282,9 @@ def target_ranks(hidden, table, targets, *, bias=None, exclude=None, backend="au
   plan = _resolve_plan(backend, plan, flat, flat.hidden.shape[0] * num_targets)
   ids = sparse.prepare_ids(flat.targets, flat.exclude, table_.shape[0])
   logits = sparse.sparse_logits(hidden_, table_, bias_, ids)
-  larger = _kernels(backend).rank_counts(
+  larger = kernel_module(backend).rank_counts(
       hidden_, table_, bias_, logits.target, ids.target_ids, plan=plan
   )  # [T, L]
-  if ids.exclude_mask is not None:
-    larger = larger - jnp.sum(
-        ids.exclude_mask[:, :, None] & (logits.exclude[:, :, None] > logits.target[:, None, :]),
-        axis=1, dtype=jnp.int32,
-    )
+  larger = larger - sparse.excluded_above(ids, logits.exclude, logits.target)
   ranks = jnp.where(ids.target_mask, 1 + larger, 0)
   return jnp.reshape(ranks, flat.leading_shape + (num_targets,))

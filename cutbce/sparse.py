@@ -118,6 +118,17 @@ def loss_correction(ids: SparseIds, logits: SparseLogits) -> jax.Array:
   return correction
 
 
+def excluded_above(ids: SparseIds, exclude_logits, target_logits) -> jax.Array:
+  """`[T, L]` int32 #{v in X_t : x_tv > target_logits[t, l]}, 0 without exclude.
+
+  What a rank count over the whole catalog must give back for excluded ids.
+  """
+  if ids.exclude_mask is None:
+    return jnp.zeros(target_logits.shape, jnp.int32)
+  above = exclude_logits[:, :, None] > target_logits[:, None, :]  # [T, E, L]
+  return jnp.sum(ids.exclude_mask[:, :, None] & above, axis=1, dtype=jnp.int32)
+
+
 class TokenCounts(NamedTuple):
   """Per-position confusion counts at logit > 0, int32 `[T]` each."""
 

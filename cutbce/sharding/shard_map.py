@@ -30,7 +30,6 @@ number of real rows, so padded rows are never negatives.
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import NamedTuple
 
 import jax
@@ -255,8 +254,8 @@ def sharded_cut_bce(
   inputs.check_choice("reduction", reduction, inputs.REDUCTIONS)
   inputs.check_choice("vocab_reduction", vocab_reduction, inputs.VOCAB_REDUCTIONS)
   inputs.check_plan(plan)
-  backend = api.resolve_backend(backend)
   flat = inputs.flatten_inputs(hidden, table, targets, weights, bias, exclude)
+  backend = api.resolve_backend(backend, flat)
   layout = layout_lib.make_layout(
       mesh, token_axes, vocab_axis, hidden_shape=jnp.shape(hidden), table=table
   )
@@ -303,8 +302,8 @@ def sharded_target_ranks(
     ValueError, TypeError: as `sharded_cut_bce`.
   """
   inputs.check_plan(plan)
-  backend = api.resolve_backend(backend)
   flat = inputs.flatten_inputs(hidden, table, targets, None, bias, exclude)
+  backend = api.resolve_backend(backend, flat)
   layout = layout_lib.make_layout(
       mesh, token_axes, vocab_axis, hidden_shape=jnp.shape(hidden), table=table
   )
@@ -329,7 +328,7 @@ def sharded_target_ranks(
 
 def _ranks(static: _Static, hidden, table, bias, ids):
   layout = static.layout
-  kernels = importlib.import_module(api.BACKENDS[static.backend])
+  kernels = api.kernel_module(static.backend)
 
   def local(hidden, table, bias, ids):
     hidden, ids = layout_lib.gather_tokens(layout, hidden, ids)
@@ -345,12 +344,7 @@ def _ranks(static: _Static, hidden, table, bias, ids):
     larger = kernels.rank_counts(
         hidden, table, bias, target_logits, own_ids, plan=static.plan
     )  # [T_group, L]
-    if local_ids.exclude_mask is not None:
-      larger = larger - jnp.sum(
-          local_ids.exclude_mask[:, :, None]
-          & (logits.exclude[:, :, None] > target_logits[:, None, :]),
-          axis=1, dtype=jnp.int32,
-      )
+    larger = larger - sparse.excluded_above(local_ids, logits.exclude, target_logits)
     # Padded rows have logit exactly 0: counted wherever 0 > x_target.
     padded = _padded_rows(layout, real_rows)
     larger = larger - padded * (target_logits < 0).astype(jnp.int32)
