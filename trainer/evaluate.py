@@ -19,7 +19,6 @@ from typing import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -104,24 +103,3 @@ def format_table(metrics_by_split: dict[str, dict[str, float]], ks=(10, 50, 100)
     row += "".join(f"{metrics.get(n, float('nan')):{width}.4f}" for n in names)
     lines.append(row)
   return "\n".join(lines)
-
-
-def numpy_ranks(hidden: np.ndarray, table: np.ndarray, targets: np.ndarray,
-                exclude: np.ndarray | None = None) -> np.ndarray:
-  """Brute-force reference of `target_ranks` on the host, for tests `[B, L]`."""
-  logits = hidden.astype(np.float64) @ table.astype(np.float64).T  # [B, V]
-  ranks = np.zeros(targets.shape, np.int32)
-  for row in range(targets.shape[0]):
-    allowed = np.ones(table.shape[0], bool)
-    if exclude is not None:
-      ids = exclude[row][(exclude[row] >= 0) & (exclude[row] < table.shape[0])]
-      allowed[ids] = False
-    # Excluded ids that are also targets stay targets (and count as items).
-    row_targets = targets[row][(targets[row] >= 0) & (targets[row] < table.shape[0])]
-    allowed[row_targets] = True
-    seen = set()
-    for col, target in enumerate(targets[row]):
-      if 0 <= target < table.shape[0] and target not in seen:
-        seen.add(int(target))
-        ranks[row, col] = 1 + np.sum(allowed & (logits[row] > logits[row, target]))
-  return ranks

@@ -8,6 +8,7 @@ from flax import nnx
 
 import cutbce
 from trainer import config_checks, evaluate
+from tests.cutbce import np_reference
 from trainer import train as train_lib
 
 
@@ -44,8 +45,8 @@ def test_eval_matches_numpy_ranking(smoke_config, filter_seen, vocab_axis):
 
   hidden = np.asarray(model(jnp.asarray(inputs))[:, -1], np.float64)
   table = np.asarray(model.item_table, np.float64)[:num_items]
-  want_ranks = evaluate.numpy_ranks(hidden[:-1], table, targets[:-1],
-                                    exclude[:-1] if filter_seen else None)
+  want_ranks = np_reference.ranks(hidden[:-1], table, targets[:-1],
+                                  exclude=exclude[:-1] if filter_seen else None)
   want = jax.device_get(cutbce.rank_metrics(jnp.asarray(want_ranks), ks=(1, 5, 10)))
   assert got["num_users"] == batch - 1
   for name in ("recall@1", "ndcg@5", "hit@10", "recall@10", "mrr"):
@@ -57,7 +58,7 @@ def test_numpy_ranks_by_hand():
   table = np.array([[3.0, 0], [2.0, 0], [1.0, 0], [0.0, 0]])
   # Item 0 is excluded, so item 1 ranks first and item 2 second.
   np.testing.assert_array_equal(
-      evaluate.numpy_ranks(hidden, table, np.array([[2, 1, -1]]), np.array([[0, -1]])),
+      np_reference.ranks(hidden, table, np.array([[2, 1, -1]]), exclude=np.array([[0, -1]])),
       [[2, 1, 0]])
 
 
