@@ -3,21 +3,26 @@
 Each call validates its arguments, flattens the leading dims to T tokens, picks
 a backend from `BACKENDS` and runs it. Tiled backends (`xla`, `pallas_tpu`)
 share one custom VJP here: the backend computes the dense background over
-vocabulary tiles, `cutbce.sparse` the corrections at target and excluded ids.
+vocabulary tiles, `cutbce.sparse` the corrections at target and excluded ids,
+and the affine part of a loss variant (`cutbce.variants`) is applied here.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import types
-from typing import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from cutbce import inputs, reference, sparse
+from cutbce import inputs, reference, sparse, variants
 from cutbce.kernels.tiling import TilePlan
+from cutbce.variants import LossOptions
+
+_LOG = logging.getLogger("cutbce")
 
 # Backend name -> module path of a kernel set honouring the contract written in
 # `cutbce/kernels/xla.py` (forward, backward, rank_counts, default_plan).
@@ -42,9 +47,17 @@ def resolve_backend(backend: str, flat: inputs.Flat | None = None) -> str:
   if backend != "auto":
     return backend
   if jax.default_backend() == "tpu" and _kernel_module_available("pallas_tpu"):
-    if flat is None or _unsupported_reason("pallas_tpu", flat) is None:
+    reason = None if flat is None else _unsupported_reason("pallas_tpu", flat)
+    if reason is None:
       return "pallas_tpu"
+    _log_fallback(reason)
   return "xla"
+
+
+@functools.lru_cache(maxsize=64)
+def _log_fallback(reason: str) -> None:
+  """Says once per distinct reason why "auto" did not pick Pallas on a TPU."""
+  _LOG.warning("cutbce: backend 'auto' uses the XLA path on this TPU: %s", reason)
 
 
 def _unsupported_reason(backend: str, flat: inputs.Flat, plan: TilePlan | None = None) -> str | None:
@@ -89,71 +102,121 @@ def kernel_module(name: str):
 # --------------------------------------------------------------------------- #
 
 
-def tiled_forward(backend, plan, with_counts, hidden, table, bias, ids, vocab):
+class TiledCall(NamedTuple):
+  """Everything static one tiled call is traced with (hashable).
+
+  Attributes:
+    backend: a tiled backend name ("xla", "pallas_tpu").
+    plan: a `TilePlan`, or None for each kernel's own plan.
+    with_counts: also return per-token confusion counts.
+    options: the loss variants.
+    num_items: the table's rows that are items (a static int <= V).
+  """
+
+  backend: str
+  plan: TilePlan | None
+  with_counts: bool
+  options: LossOptions
+  num_items: int
+
+
+def _item_sums(table, bias, num_items: int):
+  """(sum_{v < num_items} e_v `[D]` f32, sum_{v < num_items} b_v f32 or 0)."""
+  items = table if num_items == table.shape[0] else table[:num_items]
+  table_sum = jnp.sum(items.astype(jnp.float32), axis=0)
+  bias_sum = 0.0
+  if bias is not None:
+    bias_sum = jnp.sum(bias[:num_items].astype(jnp.float32))
+  return table_sum, bias_sum
+
+
+def tiled_forward(call: TiledCall, hidden, table, bias, ids, counted_items=None):
   """Per-token losses of one tiled backend on flat inputs, no custom VJP.
 
+  l_t = A sum_v phi(x_tv) - B sum_v x_tv + corrections, with (A, B) the
+  affine coefficients of the variant (`LossOptions.affine_coefficients`):
+  the linear sum is h_t . sum_v e_v + sum_v b_v, O(D) per position.
+
   Args:
-    backend: a tiled backend name ("xla", "pallas_tpu").
-    plan: the `TilePlan` for these shapes.
-    with_counts: also return per-token confusion counts.
+    call: the static `TiledCall`.
     hidden: `[T, D]`; table: `[V, D]`; bias: `[V]` or None.
     ids: `sparse.SparseIds` into `table`'s rows.
-    vocab: items counted as negatives by the counts (usually V; a shard of a
-      padded table passes its number of real rows).
+    counted_items: items counted as negatives by the counts (default
+      `call.num_items`; a shard of a padded table passes its number of real
+      rows, a traced value).
 
   Returns:
     (`[T]` float32 l_t, `sparse.TokenCounts` or None).
   """
-  kernels = kernel_module(backend)
-  softplus_sum, positive_count = kernels.forward(
-      hidden, table, bias, plan=plan, with_counts=with_counts
+  kernels = kernel_module(call.backend)
+  dense_sum, positive_count = kernels.forward(
+      hidden, table, bias, plan=call.plan, with_counts=call.with_counts,
+      options=call.options, num_items=call.num_items,
   )
+  scale, slope = call.options.affine_coefficients()
+  per_token = dense_sum if scale == 1.0 else scale * dense_sum
+  if slope:
+    table_sum, bias_sum = _item_sums(table, bias, call.num_items)
+    linear = jnp.dot(hidden.astype(jnp.float32), table_sum) + bias_sum  # [T]
+    per_token = per_token - slope * linear
   logits = sparse.sparse_logits(hidden, table, bias, ids)
-  per_token = softplus_sum + sparse.loss_correction(ids, logits)
+  per_token = per_token + sparse.loss_correction(ids, logits, call.options)
   counts = None
-  if with_counts:
-    counts = sparse.token_counts(ids, logits, positive_count, vocab)
+  if call.with_counts:
+    counted = call.num_items if counted_items is None else counted_items
+    counts = sparse.token_counts(ids, logits, positive_count, counted)
   return per_token, counts
 
 
-def tiled_backward(backend, plan, hidden, table, bias, ids, scale):
+def tiled_backward(call: TiledCall, hidden, table, bias, ids, scale):
   """Gradients of sum_t scale_t l_t on flat inputs, all float32.
 
   Returns:
     (dh `[T, D]`, dE `[V, D]`, db `[V]` or None), float32, not yet cast to
-    the input dtypes (a sharded caller sums them across devices first).
+    the input dtypes (a sharded caller sums them across devices first). Rows
+    past `call.num_items` get exactly zero.
   """
   logits = sparse.sparse_logits(hidden, table, bias, ids)
-  all_ids, coefficients = sparse.logit_cotangents(ids, logits, scale)
+  all_ids, coefficients = sparse.logit_cotangents(ids, logits, scale, call.options)
   hidden_grad, table_grad, bias_grad = sparse.sparse_grads(
       hidden, table, bias is not None, all_ids, coefficients
   )
-  dense_hidden_grad, table_grad, bias_grad = kernel_module(backend).backward(
-      hidden, table, bias, scale, table_grad, bias_grad, plan=plan
+  affine_scale, slope = call.options.affine_coefficients()
+  dense_scale = scale if affine_scale == 1.0 else affine_scale * scale
+  dense_hidden_grad, table_grad, bias_grad = kernel_module(call.backend).backward(
+      hidden, table, bias, dense_scale, table_grad, bias_grad, plan=call.plan,
+      options=call.options, num_items=call.num_items,
   )
-  return hidden_grad + dense_hidden_grad, table_grad, bias_grad
+  hidden_grad = hidden_grad + dense_hidden_grad
+  if slope:
+    # d/dh_t of -B g_t (h_t . sum_v e_v) and d/de_v of -B sum_t g_t h_t . e_v.
+    table_sum, _ = _item_sums(table, None, call.num_items)
+    hidden_grad = hidden_grad - slope * scale[:, None] * table_sum[None, :]
+    item_rows = jnp.arange(table.shape[0]) < call.num_items  # [V]
+    weighted_hidden = jnp.dot(scale, hidden.astype(jnp.float32))  # [D]
+    table_grad = table_grad - slope * jnp.where(item_rows[:, None], weighted_hidden, 0.0)
+    if bias_grad is not None:
+      bias_grad = bias_grad - slope * jnp.where(item_rows, jnp.sum(scale), 0.0)
+  return hidden_grad, table_grad, bias_grad
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _tiled_loss(backend, plan, with_counts, hidden, table, bias, ids):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tiled_loss(call: TiledCall, hidden, table, bias, ids):
   """`[T]` float32 losses l_t (and per-token counts) of one tiled backend."""
-  return tiled_forward(
-      backend, plan, with_counts, hidden, table, bias, ids, table.shape[0]
-  )
+  return tiled_forward(call, hidden, table, bias, ids)
 
 
-def _tiled_loss_fwd(backend, plan, with_counts, hidden, table, bias, ids):
+def _tiled_loss_fwd(call: TiledCall, hidden, table, bias, ids):
   # Residuals are the inputs only; the backward recomputes every logit tile.
-  out = _tiled_loss(backend, plan, with_counts, hidden, table, bias, ids)
+  out = _tiled_loss(call, hidden, table, bias, ids)
   return out, (hidden, table, bias, ids)
 
 
-def _tiled_loss_bwd(backend, plan, with_counts, residuals, cotangents):
-  del with_counts
+def _tiled_loss_bwd(call: TiledCall, residuals, cotangents):
   hidden, table, bias, ids = residuals
   scale = cotangents[0].astype(jnp.float32)  # g_t, [T]; counts get none.
   hidden_grad, table_grad, bias_grad = tiled_backward(
-      backend, plan, hidden, table, bias, ids, scale
+      call, hidden, table, bias, ids, scale
   )
   hidden_grad = hidden_grad.astype(hidden.dtype)
   table_grad = table_grad.astype(table.dtype)
@@ -166,25 +229,19 @@ def _tiled_loss_bwd(backend, plan, with_counts, residuals, cotangents):
 _tiled_loss.defvjp(_tiled_loss_fwd, _tiled_loss_bwd)
 
 
-def default_plan(backend: str, num_tokens: int, vocab: int, dim: int, dtype) -> TilePlan:
-  """The tiled backend's own plan for `[num_tokens, dim]` tokens against `vocab` rows."""
-  return kernel_module(backend).default_plan(num_tokens, vocab, dim, dtype)
-
-
-def _resolve_plan(backend: str, plan: TilePlan | None, flat: inputs.Flat, num_rows: int):
-  if plan is not None:
-    return plan
-  hidden, table = flat.hidden, flat.table
-  return default_plan(
-      backend, num_rows, table.shape[0], table.shape[1],
-      jnp.result_type(hidden.dtype, table.dtype),
+def default_plan(backend: str, kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
+                 num_targets: int = 1) -> TilePlan:
+  """The tiled backend's own plan of one kernel ("forward", "backward", "ranks")."""
+  return kernel_module(backend).default_plan(
+      kernel, num_tokens, vocab, dim, dtype, num_targets=num_targets
   )
 
 
 def cut_bce(
     hidden, table, targets, weights=None, *, bias=None, exclude=None,
     reduction="mean", vocab_reduction="mean", return_stats=False,
-    backend="auto", plan=None,
+    backend="auto", plan=None, num_items=None, pos_weight=None, label_smoothing=0.0,
+    logit_soft_cap=None, focal_gamma=None, focal_alpha=None,
 ):
   """Multi-label binary cross-entropy over the whole catalog, without `[T, V]` logits.
 
@@ -195,24 +252,39 @@ def cut_bce(
 
   exactly BCE(x, y) = softplus(x) - y x summed over the catalog, computed as a
   tiled dense background plus sparse corrections. Accumulation is float32.
+  The variants replace BCE(x, y) by f(x, y) of `cutbce.variants` (all of them
+  composable): l_t = sum_{v not in X_t} f(x_tv, 0) + sum_P [f(x_tp, 1) - f(x_tp, 0)].
 
   Args:
     hidden: `[..., D]` float32 or bfloat16 hidden states (usually `[B, N, D]`).
     table: `[V, D]` item table.
-    targets: int `[..., L]` positive ids; any id outside [0, V) is padding
-      (use -1); an id repeated in a row counts once.
-    weights: optional float `[...]` per position; 0 drops a position.
+    targets: int `[..., L]` positive ids; any id outside [0, num_items) is
+      padding (use -1); an id repeated in a row counts once.
+    weights: optional float `[...]` per position; 0 drops a position entirely
+      (a NaN or inf hidden row of weight 0 changes nothing). Weights get no
+      gradient.
     bias: optional `[V]` per-item bias.
     exclude: optional int `[..., E]` ids that are neither positives nor
       negatives for their position (ids that are also targets stay targets).
     reduction: "mean" (sum_t w_t l_t / sum_t w_t, 0 when all weights are 0),
       "sum", or "none" (w_t l_t with the leading shape).
-    vocab_reduction: "mean" divides l_t by V (the Keras convention), "sum" not.
+    vocab_reduction: "mean" divides l_t by num_items (the Keras convention),
+      "sum" not.
     return_stats: also return a `cutbce.Stats` of weighted confusion counts
-      at logit > 0 (excluded ids count in none).
+      at logit > 0 (excluded ids count in none; a soft cap keeps the sign, so
+      the threshold is the same on the capped logit).
     backend: "auto" (Pallas on TPU, XLA elsewhere), "xla", "pallas_tpu"
       (interpret mode off-TPU), or "dense" (the materializing reference).
-    plan: optional `cutbce.TilePlan` overriding the tile sizes.
+    plan: optional `cutbce.TilePlan` overriding the tile sizes (default: each
+      kernel plans for itself).
+    num_items: the catalog size when the table has padding rows: rows at or
+      past it are never negatives, never targets, get exactly zero gradient.
+      None means V.
+    pos_weight: w > 0: positives weigh w, w y softplus(-x) + (1 - y) softplus(x).
+    label_smoothing: e in [0, 1]: labels y (1 - e) + e/2.
+    logit_soft_cap: c > 0: every logit becomes c tanh(x / c) first.
+    focal_gamma, focal_alpha: binary focal loss a_t (1 - p_t)^g BCE (Keras'
+      `binary_focal_crossentropy`; a_t only when `focal_alpha` is given).
 
   Returns:
     float32 loss: a scalar, or `[...]` for reduction="none"; with
@@ -229,32 +301,44 @@ def cut_bce(
     >>> # Every logit is 0: each position pays softplus(0) = log 2 per item.
     >>> round(float(cutbce.cut_bce(hidden, table, targets, vocab_reduction="sum")), 4)
     6.9315
+    >>> # With 8 real items (rows 8, 9 padding) it pays 8 log 2.
+    >>> round(float(cutbce.cut_bce(hidden, table, targets, vocab_reduction="sum", num_items=8)), 4)
+    5.5452
   """
   inputs.check_choice("reduction", reduction, inputs.REDUCTIONS)
   inputs.check_choice("vocab_reduction", vocab_reduction, inputs.VOCAB_REDUCTIONS)
   inputs.check_plan(plan)
   inputs.check_choice("backend", backend, BACKEND_CHOICES)
+  options = variants.make_options(
+      pos_weight=pos_weight, label_smoothing=label_smoothing, logit_soft_cap=logit_soft_cap,
+      focal_gamma=focal_gamma, focal_alpha=focal_alpha,
+  )
   flat = inputs.flatten_inputs(hidden, table, targets, weights, bias, exclude)
+  num_items = inputs.check_num_items(num_items, flat.table.shape[0])
   backend = resolve_backend(backend, flat)
   if backend == "dense":
     return reference.dense_bce(
         hidden, table, targets, weights, bias=bias, exclude=exclude,
         reduction=reduction, vocab_reduction=vocab_reduction,
-        return_stats=return_stats,
+        return_stats=return_stats, num_items=num_items, **options_kwargs(options),
     )
   check_backend_supports(backend, flat, plan)
-  plan = _resolve_plan(backend, plan, flat, flat.hidden.shape[0])
-  ids = sparse.prepare_ids(flat.targets, flat.exclude, flat.table.shape[0])
-  per_token, counts = _tiled_loss(
-      backend, plan, bool(return_stats), flat.hidden, flat.table, flat.bias, ids
-  )
-  loss = inputs.reduce_losses(per_token, flat, reduction, vocab_reduction)
+  ids = sparse.prepare_ids(flat.targets, flat.exclude, num_items)
+  call = TiledCall(backend, plan, bool(return_stats), options, num_items)
+  per_token, counts = _tiled_loss(call, flat.hidden, flat.table, flat.bias, ids)
+  loss = inputs.reduce_losses(per_token, flat, reduction, vocab_reduction, num_items)
   if not return_stats:
     return loss
-  return loss, inputs.weighted_stats(counts, jax.lax.stop_gradient(flat.weights))
+  return loss, inputs.weighted_stats(counts, flat.weights)
 
 
-def target_ranks(hidden, table, targets, *, bias=None, exclude=None, backend="auto", plan=None):
+def options_kwargs(options: LossOptions) -> dict:
+  """The public keyword arguments that make `options` (for forwarding a call)."""
+  return {name: getattr(options, name) for name in variants.OPTION_NAMES}
+
+
+def target_ranks(hidden, table, targets, *, bias=None, exclude=None, backend="auto", plan=None,
+                 num_items=None, logit_soft_cap=None):
   """1-based rank of each target among all non-excluded items, in one tiled pass.
 
   rank_tl = 1 + #{v not in X_t : x_tv > x_{t, targets_tl}}: ties are resolved
@@ -264,27 +348,42 @@ def target_ranks(hidden, table, targets, *, bias=None, exclude=None, backend="au
   Args:
     hidden: `[..., D]`; table: `[V, D]`; targets: int `[..., L]` (padding as
       in `cut_bce`); bias: optional `[V]`; exclude: optional int `[..., E]`.
-    backend, plan: as in `cut_bce`.
+    backend, plan, num_items: as in `cut_bce` (rows past `num_items` are never
+      ranked).
+    logit_soft_cap: c > 0 ranks by the capped logit c tanh(x / c), as a model
+      trained with that cap scores items (ties the cap's float rounding makes
+      go to the target, like every tie).
 
   Returns:
     int32 `[..., L]`; 0 for padding ids and for repeats of an earlier id in the
     same row, so that every item is counted once by `rank_metrics`.
+
+  Example:
+    >>> import jax.numpy as jnp, cutbce
+    >>> hidden = jnp.ones((1, 1)); table = jnp.array([[3.0], [2.0], [1.0]])
+    >>> cutbce.target_ranks(hidden, table, jnp.array([[2, 0]])).tolist()
+    [[3, 1]]
   """
   inputs.check_plan(plan)
   inputs.check_choice("backend", backend, BACKEND_CHOICES)
+  options = variants.make_options(logit_soft_cap=logit_soft_cap)
   flat = inputs.flatten_inputs(hidden, table, targets, None, bias, exclude)
+  num_items = inputs.check_num_items(num_items, flat.table.shape[0])
   backend = resolve_backend(backend, flat)
   if backend == "dense":
-    return reference.dense_target_ranks(hidden, table, targets, bias=bias, exclude=exclude)
+    return reference.dense_target_ranks(hidden, table, targets, bias=bias, exclude=exclude,
+                                        num_items=num_items, logit_soft_cap=logit_soft_cap)
   hidden_, table_, bias_ = (jax.lax.stop_gradient(x) for x in (flat.hidden, flat.table, flat.bias))
   num_targets = flat.targets.shape[-1]
   check_backend_supports(backend, flat, plan)
-  plan = _resolve_plan(backend, plan, flat, flat.hidden.shape[0] * num_targets)
-  ids = sparse.prepare_ids(flat.targets, flat.exclude, table_.shape[0])
+  ids = sparse.prepare_ids(flat.targets, flat.exclude, num_items)
   logits = sparse.sparse_logits(hidden_, table_, bias_, ids)
+  target_logits = variants.cap(options, logits.target)
   larger = kernel_module(backend).rank_counts(
-      hidden_, table_, bias_, logits.target, ids.target_ids, plan=plan
+      hidden_, table_, bias_, target_logits, ids.target_ids, plan=plan, options=options,
+      num_items=num_items,
   )  # [T, L]
-  larger = larger - sparse.excluded_above(ids, logits.exclude, logits.target)
+  exclude_logits = None if logits.exclude is None else variants.cap(options, logits.exclude)
+  larger = larger - sparse.excluded_above(ids, exclude_logits, target_logits)
   ranks = jnp.where(ids.target_mask, 1 + larger, 0)
   return jnp.reshape(ranks, flat.leading_shape + (num_targets,))

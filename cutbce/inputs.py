@@ -67,8 +67,32 @@ def check_plan(plan):
     raise TypeError(f"plan must be a cutbce.TilePlan or None, got {type(plan).__name__}")
 
 
+def check_num_items(num_items, vocab: int) -> int:
+  """`num_items` as a static int in [1, V] (None means V).
+
+  Raises:
+    TypeError: not an int (a traced value cannot size the catalog).
+    ValueError: outside [1, V].
+  """
+  if num_items is None:
+    return vocab
+  if isinstance(num_items, bool) or not isinstance(num_items, (int, np.integer)):
+    raise TypeError(
+        f"num_items must be a Python int (the catalog size, static), got "
+        f"{type(num_items).__name__} ({num_items!r})"
+    )
+  if not 1 <= num_items <= vocab:
+    raise ValueError(f"num_items must be in [1, V={vocab}] (the table's rows), got {num_items}")
+  return int(num_items)
+
+
 def flatten_inputs(hidden, table, targets, weights=None, bias=None, exclude=None) -> Flat:
-  """Checks shapes and dtypes, flattens leading dims to T tokens."""
+  """Checks shapes and dtypes, flattens leading dims to T tokens.
+
+  Weights get no gradient, and when they are given, the hidden rows of
+  weight-0 positions are replaced by zeros (a `where`, not a product), so a
+  NaN or inf in a dropped position reaches neither the loss nor any gradient.
+  """
   hidden_shape, table_shape, targets_shape = _shape(hidden), _shape(table), _shape(targets)
   _check_float("hidden", hidden)
   _check_float("table", table)
@@ -119,22 +143,26 @@ def flatten_inputs(hidden, table, targets, weights=None, bias=None, exclude=None
   if weights is None:
     weights = jnp.ones((num_tokens,), jnp.float32)
   else:
-    weights = jnp.reshape(weights, (num_tokens,)).astype(jnp.float32)
+    weights = jax.lax.stop_gradient(jnp.reshape(weights, (num_tokens,)).astype(jnp.float32))
+    hidden = jnp.where((weights != 0)[:, None], hidden, jnp.zeros_like(hidden))
   if exclude is not None:
     exclude = jnp.reshape(exclude, (num_tokens, _shape(exclude)[-1]))
   return Flat(hidden, table, bias, targets, weights, exclude, leading)
 
 
-def reduce_losses(per_token, flat: Flat, reduction: str, vocab_reduction: str):
+def reduce_losses(per_token, flat: Flat, reduction: str, vocab_reduction: str,
+                  num_items: int | None = None):
   """Applies weights, the vocab and the token reductions to `[T]` losses.
 
   "mean" is sum_t w_t l_t / sum_t w_t, and 0 when every weight is 0 (the
   gradient is then 0 as well, not NaN). "none" returns w_t * l_t with the
-  caller's leading shape, so that its sum equals "sum".
+  caller's leading shape, so that its sum equals "sum". Weight-0 positions
+  give exactly 0 (a `where`). The vocabulary mean divides by `num_items`
+  (default V).
   """
   if vocab_reduction == "mean":
-    per_token = per_token / flat.table.shape[0]
-  weighted = flat.weights * per_token
+    per_token = per_token / (flat.table.shape[0] if num_items is None else num_items)
+  weighted = jnp.where(flat.weights != 0, flat.weights * per_token, 0.0)
   if reduction == "none":
     return jnp.reshape(weighted, flat.leading_shape)
   total = jnp.sum(weighted)

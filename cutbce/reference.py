@@ -10,16 +10,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from cutbce import inputs
+from cutbce import inputs, variants
 from cutbce.stats import Stats
 
 
-def _id_mask(ids, vocab):
-  """[T, V] bool with True at every valid id of each row (repeats count once)."""
-  valid = (ids >= 0) & (ids < vocab)
+def _id_mask(ids, vocab, num_items=None):
+  """[T, V] bool with True at every valid id (< num_items) of each row (repeats count once)."""
+  num_items = vocab if num_items is None else num_items
+  valid = (ids >= 0) & (ids < num_items)
   rows = jnp.arange(ids.shape[0])[:, None]
   mask = jnp.zeros((ids.shape[0], vocab), bool)
-  return mask.at[rows, jnp.where(valid, ids, 0)].max(valid)
+  safe = jnp.where(valid, ids, 0).astype(jnp.int32)  # range checked before the cast
+  return mask.at[rows, safe].max(valid)
+
+
+def _item_columns(vocab, num_items):
+  """[1, V] bool: the columns that are items (not padding rows)."""
+  return (jnp.arange(vocab) < num_items)[None, :]
 
 
 def _dense_logits(flat: inputs.Flat):
@@ -34,26 +41,40 @@ def _dense_logits(flat: inputs.Flat):
 def dense_bce(
     hidden, table, targets, weights=None, *, bias=None, exclude=None,
     reduction="mean", vocab_reduction="mean", return_stats=False,
-    backend="dense", plan=None,
+    backend="dense", plan=None, num_items=None, pos_weight=None, label_smoothing=0.0,
+    logit_soft_cap=None, focal_gamma=None, focal_alpha=None,
 ):
   """`cutbce.cut_bce` computed densely; same signature and semantics.
 
+  Every logit's loss is f(x, y) of `cutbce.variants` (plain BCE:
+  softplus(x) - y x), summed over the items that count; gradients by autodiff.
   `backend` and `plan` are accepted for signature compatibility and ignored.
   """
   del backend
   inputs.check_choice("reduction", reduction, inputs.REDUCTIONS)
   inputs.check_choice("vocab_reduction", vocab_reduction, inputs.VOCAB_REDUCTIONS)
   inputs.check_plan(plan)
+  options = variants.make_options(
+      pos_weight=pos_weight, label_smoothing=label_smoothing, logit_soft_cap=logit_soft_cap,
+      focal_gamma=focal_gamma, focal_alpha=focal_alpha,
+  )
   flat = inputs.flatten_inputs(hidden, table, targets, weights, bias, exclude)
   vocab = flat.table.shape[0]
+  num_items = inputs.check_num_items(num_items, vocab)
   logits = _dense_logits(flat)
-  labels = _id_mask(flat.targets, vocab)  # [T, V]
-  counted = jnp.ones_like(labels)
+  labels = _id_mask(flat.targets, vocab, num_items)  # [T, V]
+  counted = jnp.broadcast_to(_item_columns(vocab, num_items), labels.shape)
   if flat.exclude is not None:
-    counted = ~(_id_mask(flat.exclude, vocab) & ~labels)
-  elementwise = jax.nn.softplus(logits) - jnp.where(labels, logits, 0.0)
+    counted = counted & ~(_id_mask(flat.exclude, vocab, num_items) & ~labels)
+  if options.is_plain:
+    elementwise = jax.nn.softplus(logits) - jnp.where(labels, logits, 0.0)
+  else:
+    elementwise = jnp.where(
+        labels, variants.elementwise_loss(options, logits, 1),
+        variants.elementwise_loss(options, logits, 0),
+    )
   per_token = jnp.sum(jnp.where(counted, elementwise, 0.0), axis=-1)
-  loss = inputs.reduce_losses(per_token, flat, reduction, vocab_reduction)
+  loss = inputs.reduce_losses(per_token, flat, reduction, vocab_reduction, num_items)
   if not return_stats:
     return loss
   predicted = logits > 0
@@ -63,20 +84,25 @@ def dense_bce(
       jnp.sum(counted & ~predicted & labels, axis=-1),
       jnp.sum(counted & ~predicted & ~labels, axis=-1),
   )
-  return loss, inputs.weighted_stats(counts, jax.lax.stop_gradient(flat.weights))
+  return loss, inputs.weighted_stats(counts, flat.weights)
 
 
-def dense_target_ranks(hidden, table, targets, *, bias=None, exclude=None):
+def dense_target_ranks(hidden, table, targets, *, bias=None, exclude=None, num_items=None,
+                       logit_soft_cap=None):
   """`cutbce.target_ranks` from dense logits: int32 `[..., L]`, 0 for padding."""
   flat = inputs.flatten_inputs(hidden, table, targets, None, bias, exclude)
   vocab = flat.table.shape[0]
-  logits = _dense_logits(flat)
-  targets = flat.targets.astype(jnp.int32)
-  valid = (targets >= 0) & (targets < vocab)
+  num_items = inputs.check_num_items(num_items, vocab)
+  options = variants.make_options(logit_soft_cap=logit_soft_cap)
+  logits = variants.cap(options, _dense_logits(flat))
+  valid = (flat.targets >= 0) & (flat.targets < num_items)
+  targets = jnp.where(valid, flat.targets, -1).astype(jnp.int32)
   target_logits = jnp.take_along_axis(logits, jnp.where(valid, targets, 0), axis=1)
-  counted = jnp.ones(logits.shape, bool)
+  counted = jnp.broadcast_to(_item_columns(vocab, num_items), logits.shape)
   if flat.exclude is not None:
-    counted = ~(_id_mask(flat.exclude, vocab) & ~_id_mask(targets, vocab))
+    counted = counted & ~(
+        _id_mask(flat.exclude, vocab, num_items) & ~_id_mask(targets, vocab, num_items)
+    )
   larger = (logits[:, None, :] > target_logits[:, :, None]) & counted[:, None, :]
   ranks = 1 + jnp.sum(larger, axis=-1, dtype=jnp.int32)  # [T, L]
   # A repeated id counts once: later copies are padding.

@@ -3,14 +3,19 @@
 The loss of position t splits exactly into a dense background over the whole
 catalog and corrections at a few ids (DESIGN.md section 1):
 
-    l_t = sum_v softplus(x_tv)                  dense, tiled by the backend
-          - sum_{v in X_t} softplus(x_tv)       excluded ids (neither label)
-          - sum_{p in P_t} x_tp                 targets (label 1)
+    l_t = sum_v f(x_tv, 0)                      dense, tiled by the backend
+          - sum_{v in X_t} f(x_tv, 0)           excluded ids (neither label)
+          + sum_{p in P_t} f(x_tp, 1) - f(x_tp, 0)   targets (label 1)
 
-because BCE(x, y) = softplus(x) - y * x for y in {0, 1}. P_t are the valid,
+with f the per-logit loss of `cutbce.variants` (plain BCE: f(x, y) =
+softplus(x) - y x, so the target term is -x_tp). P_t are the valid,
 deduplicated target ids; X_t the valid, deduplicated exclude ids that are not
 also targets. Both corrections touch L + E rows per position: a gather of table
 rows in the forward, a gather and a scatter-add of rows in the backward.
+
+An id is valid when 0 <= id < num_items (the table's rows past `num_items`
+are padding); the range is checked in the caller's integer type before any
+cast, so an int64 id of 2**32 + 5 is padding, not item 5.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from cutbce import variants
+from cutbce.variants import LossOptions
 
 
 class SparseIds(NamedTuple):
@@ -55,16 +63,24 @@ def _first_occurrence_sorted(ids: jax.Array, valid: jax.Array):
   return ids_sorted, keep
 
 
+def valid_ids(ids: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
+  """(int32 ids with invalid ones set to -1, bool validity): 0 <= id < vocab.
+
+  The range is checked in the ids' own integer type first, so no wide id
+  wraps into range when cast to int32.
+  """
+  valid = (ids >= 0) & (ids < vocab)
+  return jnp.where(valid, ids, -1).astype(jnp.int32), valid
+
+
 def prepare_ids(targets: jax.Array, exclude: jax.Array | None, vocab: int) -> SparseIds:
   """Masks and clips the `[T, L]` targets and `[T, E]` exclude ids for `vocab` items."""
-  targets = targets.astype(jnp.int32)
-  target_valid = (targets >= 0) & (targets < vocab)
+  targets, target_valid = valid_ids(targets, vocab)
   target_mask = _first_occurrence(targets, target_valid)
   target_ids = jnp.where(target_valid, targets, 0)
   if exclude is None:
     return SparseIds(target_ids, target_mask, None, None)
-  exclude = exclude.astype(jnp.int32)
-  exclude_valid = (exclude >= 0) & (exclude < vocab)
+  exclude, exclude_valid = valid_ids(exclude, vocab)
   if exclude.shape[-1] <= 32:
     keep = _first_occurrence(exclude, exclude_valid)
   else:
@@ -109,12 +125,29 @@ def sparse_logits(hidden, table, bias, ids: SparseIds) -> SparseLogits:
   return SparseLogits(target, exclude)
 
 
-def loss_correction(ids: SparseIds, logits: SparseLogits) -> jax.Array:
-  """`[T]` float32 to add to the dense background: -sum_X softplus - sum_P x."""
-  correction = -jnp.sum(jnp.where(ids.target_mask, logits.target, 0.0), axis=-1)
+def _target_terms(options: LossOptions, x):
+  """f(x, 1) - f(x, 0) and its derivative at target logits `x`."""
+  if options.is_affine and options.pos_weight is None:
+    # softplus(x) - y' x: the difference of the labels is (1 - e) x exactly.
+    keep = 1.0 - options.label_smoothing
+    return -keep * x, jnp.full_like(x, -keep)
+  return variants.target_value_and_grad(options, x)
+
+
+def _excluded_terms(options: LossOptions, x):
+  """f(x, 0) and its derivative at excluded logits `x` (to be removed)."""
+  if options.is_plain:
+    return jax.nn.softplus(x), jax.nn.sigmoid(x)
+  return variants.negative_value_and_grad(options, x)
+
+
+def loss_correction(ids: SparseIds, logits: SparseLogits, options: LossOptions) -> jax.Array:
+  """`[T]` float32 to add to the dense background: sum_P [f(x,1) - f(x,0)] - sum_X f(x,0)."""
+  target_terms, _ = _target_terms(options, logits.target)
+  correction = jnp.sum(jnp.where(ids.target_mask, target_terms, 0.0), axis=-1)
   if ids.exclude_mask is not None:
-    excluded = jnp.where(ids.exclude_mask, jax.nn.softplus(logits.exclude), 0.0)
-    correction = correction - jnp.sum(excluded, axis=-1)
+    excluded, _ = _excluded_terms(options, logits.exclude)
+    correction = correction - jnp.sum(jnp.where(ids.exclude_mask, excluded, 0.0), axis=-1)
   return correction
 
 
@@ -157,18 +190,20 @@ def token_counts(
   return TokenCounts(tp, fp, fn, tn)
 
 
-def logit_cotangents(ids: SparseIds, logits: SparseLogits, scale: jax.Array):
+def logit_cotangents(ids: SparseIds, logits: SparseLogits, scale: jax.Array,
+                     options: LossOptions):
   """d loss / d x at the sparse ids, as (`ids [T, K]`, `coefficients [T, K]` f32).
 
-  Targets give -g_t; excluded ids give -g_t * sigmoid(x_tv), cancelling the
-  background's contribution. Masked entries get 0.
+  Targets give g_t (f'(x, 1) - f'(x, 0)) (plain BCE: -g_t); excluded ids give
+  -g_t f'(x, 0) (plain: -g_t sigmoid(x)), cancelling the background's
+  contribution. Masked entries get 0.
   """
-  coefficients = jnp.where(ids.target_mask, -scale[:, None], 0.0)
+  _, target_grads = _target_terms(options, logits.target)
+  coefficients = jnp.where(ids.target_mask, scale[:, None] * target_grads, 0.0)
   all_ids = ids.target_ids
   if ids.exclude_mask is not None:
-    excluded = jnp.where(
-        ids.exclude_mask, -scale[:, None] * jax.nn.sigmoid(logits.exclude), 0.0
-    )
+    _, excluded_grads = _excluded_terms(options, logits.exclude)
+    excluded = jnp.where(ids.exclude_mask, -scale[:, None] * excluded_grads, 0.0)
     coefficients = jnp.concatenate([coefficients, excluded], axis=-1)
     all_ids = jnp.concatenate([ids.target_ids, ids.exclude_ids], axis=-1)
   return all_ids, coefficients

@@ -4,20 +4,27 @@
 static argument through `jax.jit` and `jax.custom_vjp`.
 
 The XLA path only reads `block_v`. `default_xla_block_v` picks it so that one
-`[T, block_v]` float32 logit tile and its few elementwise temporaries stay around
-a few MiB: small enough to stay in cache-sized working sets on CPU and to keep
-the compiled temp memory flat in V, large enough that each step is a real GEMM.
+`[T, block_v]` float32 logit tile and its few elementwise temporaries stay at a
+size chosen per platform: on CPU a few MiB (cache-sized working sets, measured
+fastest), on GPU and TPU tens of MiB, so that a 10^7-item catalog is a few
+thousand scan steps rather than tens of thousands of small kernel launches.
+Either way the compiled temp memory stays flat in V.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-# Bytes the XLA path aims to spend on one float32 [T, block_v] logit tile
-# (2 MiB measured fastest on CPU; see docs/loss.md).
+# Bytes the XLA path aims to spend on one float32 [T, block_v] logit tile, and
+# the largest block_v, per platform. CPU: 2 MiB measured fastest (docs/loss.md).
+# GPU/TPU (not measured here): each scan step is a few kernel launches, so the
+# tile is made 16x larger; 32 MiB of HBM is small next to any accelerator's and
+# keeps per-step overhead (~10 us) below 1% of a step's GEMM time.
 XLA_TILE_BYTES = 2 * 1024 * 1024
 XLA_MIN_BLOCK_V = 128
 XLA_MAX_BLOCK_V = 8192
+XLA_ACCELERATOR_TILE_BYTES = 32 * 1024 * 1024
+XLA_ACCELERATOR_MAX_BLOCK_V = 65536
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,14 +57,24 @@ class TilePlan:
         raise ValueError(f"TilePlan.{name} must be positive, got {value}")
 
 
-def default_xla_block_v(num_tokens: int, vocab: int) -> int:
-  """`block_v` for the XLA path: a [T, block_v] f32 tile of about XLA_TILE_BYTES.
+def default_xla_block_v(num_tokens: int, vocab: int, platform: str | None = None) -> int:
+  """`block_v` for the XLA path: a [T, block_v] f32 tile of the platform's tile size.
 
-  Rounded down to a multiple of 128, clamped to [128, 8192], and never more
-  than V (a catalog smaller than one tile is one tile).
+  `XLA_TILE_BYTES` with at most `XLA_MAX_BLOCK_V` rows on CPU,
+  `XLA_ACCELERATOR_TILE_BYTES` with at most `XLA_ACCELERATOR_MAX_BLOCK_V` on
+  GPU and TPU (`platform` defaults to `jax.default_backend()`). Rounded down
+  to a multiple of 128, at least 128, and never more than V (a catalog
+  smaller than one tile is one tile).
   """
-  block_v = XLA_TILE_BYTES // (4 * max(num_tokens, 1))
-  block_v = max(XLA_MIN_BLOCK_V, min(XLA_MAX_BLOCK_V, block_v // 128 * 128))
+  if platform is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    platform = jax.default_backend()
+  if platform == "cpu":
+    tile_bytes, most = XLA_TILE_BYTES, XLA_MAX_BLOCK_V
+  else:
+    tile_bytes, most = XLA_ACCELERATOR_TILE_BYTES, XLA_ACCELERATOR_MAX_BLOCK_V
+  block_v = tile_bytes // (4 * max(num_tokens, 1))
+  block_v = max(XLA_MIN_BLOCK_V, min(most, block_v // 128 * 128))
   return max(1, min(block_v, vocab))
 
 
@@ -171,9 +188,12 @@ def buffer_bytes(rows: int, cols: int, itemsize: int) -> int:
   return _round_up(rows, sublane_rows(itemsize)) * _round_up(cols, LANES) * itemsize
 
 
+KERNELS = ("forward", "backward", "ranks")
+
+
 def vmem_estimate(
     kernel: str, *, token_chunk: int, block_t: int, block_v: int, dim: int,
-    itemsize: int, num_targets: int = PLANNED_TARGETS,
+    itemsize: int, num_targets: int = PLANNED_TARGETS, extra_logit_tiles: int = 0,
 ) -> int:
   """Bytes of VMEM live at once in one of the TPU kernels (see docs/kernels.md).
 
@@ -190,10 +210,12 @@ def vmem_estimate(
     dim: D, taken whole.
     itemsize: bytes per element of hidden and table (2 for bf16, 4 for f32).
     num_targets: L, for the rank kernel.
+    extra_logit_tiles: further `[block_t, block_v]` f32 temporaries of the
+      loss variants (a soft cap's tanh, the focal factor and their derivatives).
   """
   c, bt, bv, d, s = token_chunk, block_t, block_v, dim, itemsize
   logit_tile = buffer_bytes(bt, bv, 4)  # one [block_t, block_v] f32 buffer
-  total = 0
+  total = extra_logit_tiles * logit_tile  # variants' elementwise temporaries
   total += 2 * buffer_bytes(c, d, s)  # hidden chunk block [chunk, D], x2 buffers
   total += 2 * buffer_bytes(bv, d, s)  # table tile [block_v, D], x2 buffers
   total += 2 * buffer_bytes(1, bv, 4)  # bias tile [1, block_v] f32, x2 buffers
@@ -223,14 +245,16 @@ def vmem_estimate(
   return total
 
 
-def plan_vmem_bytes(plan: TilePlan, dim: int, itemsize: int, num_targets: int = PLANNED_TARGETS) -> int:
-  """Largest `vmem_estimate` over the three TPU kernels for `plan`."""
+def plan_vmem_bytes(plan: TilePlan, dim: int, itemsize: int, num_targets: int = PLANNED_TARGETS,
+                    kernels=KERNELS, extra_logit_tiles: int = 0) -> int:
+  """Largest `vmem_estimate` over `kernels` (default: all three TPU kernels) for `plan`."""
   return max(
       vmem_estimate(
           kernel, token_chunk=plan.token_chunk, block_t=plan.block_t,
           block_v=plan.block_v, dim=dim, itemsize=itemsize, num_targets=num_targets,
+          extra_logit_tiles=extra_logit_tiles,
       )
-      for kernel in ("forward", "backward", "ranks")
+      for kernel in kernels
   )
 
 
@@ -249,7 +273,9 @@ def _itemsize(dtype) -> int:
   return dtype.itemsize
 
 
-def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None = None) -> TilePlan:
+def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None = None,
+               kernel: str | None = None, num_targets: int = PLANNED_TARGETS,
+               extra_logit_tiles: int = 0) -> TilePlan:
   """Tile sizes for the Pallas TPU kernels, chosen at trace time from the chip's VMEM.
 
   The token side is walked in chunks of `token_chunk` rows held in VMEM for a
@@ -266,6 +292,10 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
     dtype: float32 or bfloat16, of hidden and table.
     chip: "v4", "v5e", "v5p", "v6e" (or newer ones the installed jax knows),
       or None for the attached TPU (`DEFAULT_CHIP` off-TPU).
+    kernel: "forward", "backward" or "ranks" to plan that kernel alone (each
+      kernel call plans for itself), or None for one plan that fits all three.
+    num_targets: L of the rank kernel's blocks.
+    extra_logit_tiles: see `vmem_estimate` (loss variants).
 
   Returns:
     A `TilePlan` whose `block_t` and `block_v` are multiples of the chip's
@@ -286,6 +316,10 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {value!r}")
   itemsize = _itemsize(dtype)
+  if kernel is not None and kernel not in KERNELS:
+    raise ValueError(f"kernel must be one of {list(KERNELS)} or None, got {kernel!r}")
+  kernels = KERNELS if kernel is None else (kernel,)
+  sizing = dict(num_targets=num_targets, kernels=kernels, extra_logit_tiles=extra_logit_tiles)
   spec = chip_spec(chip)
   budget = vmem_budget(spec)
   mxu = spec.mxu_column_size
@@ -296,7 +330,7 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
     for block_v in sorted({min(bv, vocab_padded) for bv in BLOCK_V_CHOICES if bv % mxu == 0}):
       if 4 * block_t * block_v > MAX_LOGIT_TILE_BYTES:
         continue
-      chunk = _largest_chunk(num_tokens, block_t, block_v, dim, itemsize, budget)
+      chunk = _largest_chunk(num_tokens, block_t, block_v, dim, itemsize, budget, sizing)
       if chunk is None:
         continue
       key = (-(-num_tokens // chunk), -block_t * block_v, -block_v)
@@ -306,7 +340,7 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
                         vmem_limit_bytes=budget)
   if best is None:
     smallest = plan_vmem_bytes(
-        TilePlan(block_v=mxu, block_t=mxu, token_chunk=mxu), dim, itemsize
+        TilePlan(block_v=mxu, block_t=mxu, token_chunk=mxu), dim, itemsize, **sizing
     )
     raise ValueError(
         f"no TPU tile plan fits chip {spec.name}: T={num_tokens}, V={vocab}, D={dim}, "
@@ -317,13 +351,13 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
   return best
 
 
-def _largest_chunk(num_tokens, block_t, block_v, dim, itemsize, budget):
+def _largest_chunk(num_tokens, block_t, block_v, dim, itemsize, budget, sizing):
   """Largest multiple of `block_t` (up to T rounded up) whose estimate fits, or None."""
   most = _round_up(num_tokens, block_t) // block_t
 
   def fits(multiple):
     plan = TilePlan(block_v=block_v, block_t=block_t, token_chunk=multiple * block_t)
-    return plan_vmem_bytes(plan, dim, itemsize) <= budget
+    return plan_vmem_bytes(plan, dim, itemsize, **sizing) <= budget
 
   if not fits(1):
     return None

@@ -38,8 +38,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from cutbce import variants
 from cutbce.kernels import tiling
 from cutbce.kernels.tiling import TilePlan
+from cutbce.variants import LossOptions
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Targets per rank-kernel call: its comparison loop over L is unrolled, so
@@ -84,20 +86,25 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def unsupported_reason(num_tokens, vocab, dim, hidden_dtype, table_dtype, plan=None) -> str | None:
-  """Why these inputs cannot run on the TPU kernels, or None when they can."""
-  hidden_dtype, table_dtype = jnp.dtype(hidden_dtype), jnp.dtype(table_dtype)
-  if hidden_dtype != table_dtype or hidden_dtype not in SUPPORTED_DTYPES:
+  """Why these inputs cannot run on the TPU kernels, or None when they can.
+
+  Hidden and table of different float dtypes are cast to their common type
+  (bf16 hidden with an f32 table runs in f32), not refused.
+  """
+  dtype = jnp.result_type(jnp.dtype(hidden_dtype), jnp.dtype(table_dtype))
+  if dtype not in SUPPORTED_DTYPES:
     return (
-        "the Pallas TPU kernels take hidden and table of one dtype, float32 or "
-        f"bfloat16; got hidden {hidden_dtype} and table {table_dtype}"
+        "the Pallas TPU kernels compute in float32 or bfloat16; got hidden "
+        f"{jnp.dtype(hidden_dtype)} and table {jnp.dtype(table_dtype)} (common type {dtype})"
     )
   if num_tokens < 1:
     return f"the Pallas TPU kernels need at least one token, got T={num_tokens}"
   if plan is None:
-    try:
-      tiling.plan_tiles(num_tokens, vocab, dim, hidden_dtype)
-    except ValueError as error:
-      return str(error)
+    for kernel in ("forward", "backward"):
+      try:
+        tiling.plan_tiles(num_tokens, vocab, dim, dtype, kernel=kernel)
+      except ValueError as error:
+        return str(error)
   return None
 
 
@@ -109,8 +116,20 @@ def _check_supported(hidden, table, plan=None):
     raise NotImplementedError(reason)
 
 
-def default_plan(num_tokens: int, vocab: int, dim: int, dtype) -> TilePlan:
-  """`tiling.plan_tiles` for the attached TPU (the default chip off-TPU).
+def _common_dtype(hidden, table):
+  """Hidden and table cast to their common dtype (a no-op when they agree)."""
+  dtype = jnp.result_type(hidden.dtype, table.dtype)
+  return hidden.astype(dtype), table.astype(dtype)
+
+
+def _extra_logit_tiles(options: LossOptions) -> int:
+  """VMEM temporaries a variant adds per logit tile (see `tiling.vmem_estimate`)."""
+  return 0 if options.is_affine else 4
+
+
+def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
+                 num_targets: int = 1, options: LossOptions = variants.PLAIN) -> TilePlan:
+  """`tiling.plan_tiles` of one kernel for the attached TPU (the default chip off-TPU).
 
   Raises:
     NotImplementedError: the dtype is not float32/bfloat16 or no plan fits.
@@ -120,7 +139,10 @@ def default_plan(num_tokens: int, vocab: int, dim: int, dtype) -> TilePlan:
         f"the Pallas TPU kernels take float32 or bfloat16, got {jnp.dtype(dtype)}"
     )
   try:
-    return tiling.plan_tiles(num_tokens, vocab, dim, dtype)
+    return tiling.plan_tiles(
+        num_tokens, vocab, dim, dtype, kernel=kernel, num_targets=num_targets,
+        extra_logit_tiles=_extra_logit_tiles(options),
+    )
   except ValueError as error:
     raise NotImplementedError(str(error)) from error
 
@@ -129,10 +151,10 @@ class _Geometry(NamedTuple):
   """Static tiling of one call, after clamping the plan to the shapes."""
 
   num_tokens: int  # T
-  vocab: int  # V
+  vocab: int  # num_items: rows walked (the table's rows past it are never used)
   chunk: int  # token rows per chunk (a multiple of block_t)
   block_t: int  # token rows per logit tile
-  block_v: int  # vocab rows per grid step (V itself when one tile covers V)
+  block_v: int  # vocab rows per grid step (the table's V when one tile covers it)
   num_chunks: int
   num_subtiles: int  # chunk // block_t
   num_vocab_tiles: int
@@ -143,18 +165,25 @@ class _Geometry(NamedTuple):
     return self.vocab % self.block_v != 0
 
 
-def _geometry(plan: TilePlan, hidden, table, kernel: str, num_targets: int = 0) -> _Geometry:
+def _geometry(plan: TilePlan | None, hidden, table, kernel: str, num_targets: int = 0, *,
+              num_items: int | None = None, options: LossOptions = variants.PLAIN) -> _Geometry:
   """Clamps `plan` to the shapes, checks layout legality and the VMEM estimate.
+
+  With `plan=None` the kernel plans for itself (`default_plan` of `kernel`).
 
   Raises:
     ValueError: the plan breaks a layout rule or its estimate exceeds its VMEM
       limit (the message names the plan, shapes and budget).
   """
-  num_tokens, (vocab, dim) = hidden.shape[0], table.shape
+  num_tokens, (rows, dim) = hidden.shape[0], table.shape
+  vocab = rows if num_items is None else num_items
   itemsize = hidden.dtype.itemsize
-  if plan.block_t is None or plan.token_chunk is None or plan.vmem_limit_bytes is None:
-    # Fields left None are taken from the planner's plan for these shapes.
-    planned = default_plan(num_tokens, vocab, dim, hidden.dtype)
+  extra_tiles = _extra_logit_tiles(options)
+  if plan is None or plan.block_t is None or plan.token_chunk is None or plan.vmem_limit_bytes is None:
+    # Fields left None are taken from the planner's plan of this kernel.
+    planned = default_plan(kernel, num_tokens, vocab, dim, hidden.dtype,
+                           num_targets=max(num_targets, 1), options=options)
+    plan = plan or planned
     block_t = plan.block_t or planned.block_t
     plan = TilePlan(
         block_v=plan.block_v,
@@ -175,10 +204,16 @@ def _geometry(plan: TilePlan, hidden, table, kernel: str, num_targets: int = 0) 
   block_t = min(plan.block_t, tiling._round_up(num_tokens, sublanes))  # pylint: disable=protected-access
   chunk = min(plan.token_chunk, tiling._round_up(num_tokens, block_t))  # pylint: disable=protected-access
   chunk = chunk // block_t * block_t
-  block_v = plan.block_v if plan.block_v < vocab else vocab
+  if plan.block_v < vocab:
+    block_v = plan.block_v
+  else:
+    # One tile covers the items: the whole table, or (when rows past
+    # num_items follow) the items rounded up to whole lanes.
+    block_v = min(tiling._round_up(vocab, tiling.LANES), rows)  # pylint: disable=protected-access
+    block_v = rows if block_v >= rows else block_v
   estimate = tiling.vmem_estimate(
       kernel, token_chunk=chunk, block_t=block_t, block_v=block_v, dim=dim,
-      itemsize=itemsize, num_targets=max(num_targets, 1),
+      itemsize=itemsize, num_targets=max(num_targets, 1), extra_logit_tiles=extra_tiles,
   )
   if estimate > plan.vmem_limit_bytes:
     raise ValueError(
@@ -226,12 +261,6 @@ def _tile_logits(hidden, table, bias_ref):
   return logits
 
 
-def _softplus(x):
-  # softplus(x) = log(1 + e^x) = max(x, 0) + log1p(e^-|x|): no overflow, and
-  # log1p keeps the small tail accurate for very negative logits.
-  return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
-
-
 def _row_slice(subtile, geom: _Geometry):
   if geom.num_subtiles == 1:
     return slice(None)
@@ -256,7 +285,8 @@ def _for_each_subtile(count: int, body):
 # --------------------------------------------------------------------------- #
 
 
-def _forward_kernel(*refs, geom: _Geometry, has_bias: bool, with_counts: bool):
+def _forward_kernel(*refs, geom: _Geometry, has_bias: bool, with_counts: bool,
+                    options: LossOptions):
   refs = list(refs)
   hidden_ref = refs.pop(0)  # [chunk, D]
   table_ref = refs.pop(0)  # [block_v, D]
@@ -277,12 +307,14 @@ def _forward_kernel(*refs, geom: _Geometry, has_bias: bool, with_counts: bool):
   def accumulate(subtile):
     rows = _row_slice(subtile, geom)
     logits = _tile_logits(hidden_ref[rows, :], table, bias_ref)  # [block_t, block_v]
-    softplus = _softplus(logits)
+    # phi(x): softplus(x) = max(x, 0) + log1p(e^-|x|) for plain BCE (no
+    # overflow, log1p keeps the tail accurate), f(x, 0) of a variant otherwise.
+    dense = variants.tile_value(options, logits)
     if valid is not None:
-      softplus = jnp.where(valid, softplus, 0.0)
+      dense = jnp.where(valid, dense, 0.0)
     # Row sums in float32: each tile adds at most block_v terms to the
     # per-token total, itself float32 across tiles.
-    softplus_ref[rows, :] += jnp.sum(softplus, axis=1, keepdims=True)
+    softplus_ref[rows, :] += jnp.sum(dense, axis=1, keepdims=True)
     if with_counts:
       positive = logits > 0.0
       if valid is not None:
@@ -320,10 +352,12 @@ def _token_index_map(chunk, tile):
 
 
 @functools.partial(jax.named_call, name="cutbce_tpu_forward")
-def forward(hidden, table, bias, *, plan: TilePlan, with_counts: bool):
-  """sum_v softplus(x_tv) `[T]` f32 and #{x_tv > 0} `[T]` int32 (or None)."""
+def forward(hidden, table, bias, *, plan: TilePlan | None, with_counts: bool,
+            options: LossOptions = variants.PLAIN, num_items: int | None = None):
+  """sum_v phi(x_tv) `[T]` f32 and #{x_tv > 0} `[T]` int32 (or None)."""
   _check_supported(hidden, table, plan)
-  geom = _geometry(plan, hidden, table, "forward")
+  hidden, table = _common_dtype(hidden, table)
+  geom = _geometry(plan, hidden, table, "forward", num_items=num_items, options=options)
   num_tokens, dim = hidden.shape
   has_bias = bias is not None
   in_specs, operands = _token_by_vocab_inputs(geom, hidden, table, bias)
@@ -333,9 +367,10 @@ def forward(hidden, table, bias, *, plan: TilePlan, with_counts: bool):
   if with_counts:
     out_specs.append(token_spec)
     out_shape.append(jax.ShapeDtypeStruct((num_tokens, 1), jnp.int32))
-  vocab = table.shape[0]
+  vocab = geom.vocab
   outputs = pl.pallas_call(
-      functools.partial(_forward_kernel, geom=geom, has_bias=has_bias, with_counts=with_counts),
+      functools.partial(_forward_kernel, geom=geom, has_bias=has_bias, with_counts=with_counts,
+                        options=options),
       grid=(geom.num_chunks, geom.num_vocab_tiles),
       in_specs=in_specs,
       out_specs=out_specs,
@@ -360,7 +395,8 @@ def forward(hidden, table, bias, *, plan: TilePlan, with_counts: bool):
 # --------------------------------------------------------------------------- #
 
 
-def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool):
+def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
+                     options: LossOptions):
   refs = list(refs)
   hidden_ref = refs.pop(0)  # [chunk, D]
   scale_ref = refs.pop(0)  # [chunk, 1] f32, g_t
@@ -394,8 +430,9 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool)
       hidden = jnp.where(row_ok, hidden, jnp.zeros_like(hidden))
       scale = jnp.where(row_ok, scale, 0.0)
     logits = _tile_logits(hidden, table, bias_ref)  # [block_t, block_v] f32
-    # d l_t / d x_tv of the dense background is sigmoid(x_tv), times g_t.
-    grad = scale * jax.nn.sigmoid(logits)  # [block_t, block_v] f32
+    # d l_t / d x_tv of the dense background is phi'(x_tv) (sigmoid for
+    # plain BCE), times g_t.
+    grad = scale * variants.tile_grad(options, logits)  # [block_t, block_v] f32
     if valid is not None:
       grad = jnp.where(valid, grad, 0.0)
     grad_mxu = grad.astype(compute_dtype)
@@ -418,10 +455,12 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool)
 
 
 @functools.partial(jax.named_call, name="cutbce_tpu_backward")
-def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePlan):
+def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePlan | None,
+             options: LossOptions = variants.PLAIN, num_items: int | None = None):
   """dh `[T, D]` f32; `table_grad` (+ dense part) `[V, D]` f32; `bias_grad` `[V]` or None."""
   _check_supported(hidden, table, plan)
-  geom = _geometry(plan, hidden, table, "backward")
+  hidden, table = _common_dtype(hidden, table)
+  geom = _geometry(plan, hidden, table, "backward", num_items=num_items, options=options)
   num_tokens, dim = hidden.shape
   vocab = table.shape[0]
   has_bias = bias is not None
@@ -433,7 +472,9 @@ def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePla
   # shape when the block does not divide it; there (and only there) the
   # ragged case takes the gradient through a fresh output instead. Same
   # kernel, same numerics; compiled on a TPU the update is always in place.
-  alias = not (_interpret() and geom.ragged_vocab)
+  alias = not (_interpret() and vocab % geom.block_v)
+  walked_rows = geom.num_vocab_tiles * geom.block_v  # rows past it: never visited
+  given_table_grad, given_bias_grad = table_grad, bias_grad_row
   hidden_grads = []
 
   for chunk in range(geom.num_chunks):  # the outer loop over token chunks
@@ -471,7 +512,8 @@ def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePla
       out_shape.append(jax.ShapeDtypeStruct((1, vocab), jnp.float32))
     outputs = pl.pallas_call(
         functools.partial(
-            _backward_kernel, geom=geom, rows_in_chunk=rows_in_chunk, has_bias=has_bias
+            _backward_kernel, geom=geom, rows_in_chunk=rows_in_chunk, has_bias=has_bias,
+            options=options,
         ),
         grid=(geom.num_vocab_tiles,),
         in_specs=in_specs,
@@ -480,8 +522,8 @@ def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePla
         input_output_aliases=aliases if alias else {},
         compiler_params=_compiler_params(geom, (pltpu.ARBITRARY,)),
         cost_estimate=pl.CostEstimate(
-            flops=3 * 2 * rows_in_chunk * vocab * dim,
-            transcendentals=rows_in_chunk * vocab,
+            flops=3 * 2 * rows_in_chunk * geom.vocab * dim,
+            transcendentals=rows_in_chunk * geom.vocab,
             bytes_accessed=table.size * table.dtype.itemsize + 2 * table_grad.size * 4
             + rows_in_chunk * dim * (hidden.dtype.itemsize + 4),
         ),
@@ -492,6 +534,13 @@ def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePla
     table_grad = outputs[1]
     if has_bias:
       bias_grad_row = outputs[2]
+  if not alias and walked_rows < vocab:
+    # A fresh output holds garbage in the rows the grid never visited (past
+    # num_items): they keep the given (sparse) part there.
+    rows = jnp.arange(vocab)
+    table_grad = jnp.where((rows < walked_rows)[:, None], table_grad, given_table_grad)
+    if has_bias:
+      bias_grad_row = jnp.where(rows[None, :] < walked_rows, bias_grad_row, given_bias_grad)
   # [T, D] f32: the chunks' dh side by side (no copy with a single chunk).
   hidden_grad = hidden_grads[0] if len(hidden_grads) == 1 else jnp.concatenate(hidden_grads)
   bias_grad = bias_grad_row.reshape(vocab) if has_bias else None
@@ -503,7 +552,8 @@ def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePla
 # --------------------------------------------------------------------------- #
 
 
-def _rank_kernel(*refs, geom: _Geometry, has_bias: bool, num_targets: int):
+def _rank_kernel(*refs, geom: _Geometry, has_bias: bool, num_targets: int,
+                 options: LossOptions):
   refs = list(refs)
   hidden_ref = refs.pop(0)  # [chunk, D]
   table_ref = refs.pop(0)  # [block_v, D]
@@ -524,7 +574,7 @@ def _rank_kernel(*refs, geom: _Geometry, has_bias: bool, num_targets: int):
 
   def accumulate(subtile):
     rows = _row_slice(subtile, geom)
-    logits = _tile_logits(hidden_ref[rows, :], table, bias_ref)  # [block_t, block_v]
+    logits = variants.cap(options, _tile_logits(hidden_ref[rows, :], table, bias_ref))
     target_logits = target_logits_ref[rows, :]  # [block_t, L]
     target_ids = target_ids_ref[rows, :]  # [block_t, L]
     counts = jnp.zeros((geom.block_t, num_targets), jnp.float32)
@@ -544,9 +594,11 @@ def _rank_kernel(*refs, geom: _Geometry, has_bias: bool, num_targets: int):
 
 
 @functools.partial(jax.named_call, name="cutbce_tpu_rank_counts")
-def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePlan):
-  """`[T, L]` int32 #{v != target_ids[t, l] : x_tv > target_logits[t, l]}."""
+def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePlan | None,
+                options: LossOptions = variants.PLAIN, num_items: int | None = None):
+  """`[T, L]` int32 #{v != target_ids[t, l] : cap(x_tv) > target_logits[t, l]}."""
   _check_supported(hidden, table, plan)
+  hidden, table = _common_dtype(hidden, table)
   num_tokens, dim = hidden.shape
   num_targets = target_logits.shape[1]
   if num_targets > MAX_RANK_TARGETS:
@@ -554,20 +606,22 @@ def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePla
     groups = [
         rank_counts(
             hidden, table, bias, target_logits[:, start:start + MAX_RANK_TARGETS],
-            target_ids[:, start:start + MAX_RANK_TARGETS], plan=plan,
+            target_ids[:, start:start + MAX_RANK_TARGETS], plan=plan, options=options,
+            num_items=num_items,
         )
         for start in range(0, num_targets, MAX_RANK_TARGETS)
     ]
     return jnp.concatenate(groups, axis=1)
-  geom = _geometry(plan, hidden, table, "ranks", num_targets)
+  geom = _geometry(plan, hidden, table, "ranks", num_targets, num_items=num_items)
   has_bias = bias is not None
   in_specs, operands = _token_by_vocab_inputs(geom, hidden, table, bias)
   target_spec = pl.BlockSpec((geom.chunk, num_targets), _token_index_map)
   in_specs += [target_spec, target_spec]
   operands += [target_logits.astype(jnp.float32), target_ids.astype(jnp.int32)]
-  vocab = table.shape[0]
+  vocab = geom.vocab
   return pl.pallas_call(
-      functools.partial(_rank_kernel, geom=geom, has_bias=has_bias, num_targets=num_targets),
+      functools.partial(_rank_kernel, geom=geom, has_bias=has_bias, num_targets=num_targets,
+                        options=options),
       grid=(geom.num_chunks, geom.num_vocab_tiles),
       in_specs=in_specs,
       out_specs=target_spec,

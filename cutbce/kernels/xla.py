@@ -6,17 +6,24 @@ The vocabulary is walked as `V // block_v` full tiles in a scan plus, when
 `block_v` does not divide V, one statically shaped tail tile after it, so no
 tile is ragged and nothing needs masking or padding.
 
-Backend contract (shared with `tpu.py`), all on flattened `[T, D]` tokens:
+Backend contract (shared with `tpu.py`), all on flattened `[T, D]` tokens.
+Only the first `num_items` rows of the table are items (a static int <= V);
+the rest are never read. `options` is a `cutbce.variants.LossOptions` and
+phi = `variants.tile_value(options, .)` the per-logit term a tile sums
+(softplus for plain BCE), phi' its derivative (sigmoid for plain BCE).
+`plan=None` lets each kernel take its own `default_plan`.
 
-  forward(hidden, table, bias, *, plan, with_counts)
-      -> (softplus_sum [T] f32, positive_count [T] int32 or None)
-      sum_v softplus(x_tv), and #{v : x_tv > 0} when `with_counts`.
-  backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan)
+  forward(hidden, table, bias, *, plan, with_counts, options, num_items)
+      -> (dense_sum [T] f32, positive_count [T] int32 or None)
+      sum_v phi(x_tv), and #{v : x_tv > 0} when `with_counts`.
+  backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, num_items)
       -> (dh [T, D] f32, table_grad [V, D] f32, bias_grad [V] f32 or None)
-      dh = sum_v g_t s_tv e_v; adds sum_t g_t s_tv h_t to `table_grad` (and
-      sum_t g_t s_tv to `bias_grad`), with s = sigmoid(x), g = `scale` [T].
-  rank_counts(hidden, table, bias, target_logits, target_ids, *, plan)
-      -> [T, L] int32: #{v != target_ids[t, l] : x_tv > target_logits[t, l]}.
+      dh = sum_v g_t phi'(x_tv) e_v; adds sum_t g_t phi'(x_tv) h_t to
+      `table_grad` (and sum_t g_t phi'(x_tv) to `bias_grad`), g = `scale` [T].
+  rank_counts(hidden, table, bias, target_logits, target_ids, *, plan, options, num_items)
+      -> [T, L] int32: #{v != target_ids[t, l] : cap(x_tv) > target_logits[t, l]},
+      with cap = `variants.cap(options, .)` (the identity without a soft cap).
+  default_plan(kernel, num_tokens, vocab, dim, dtype, num_targets=1) -> TilePlan
 """
 
 from __future__ import annotations
@@ -27,16 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cutbce import variants
 from cutbce.kernels.tiling import TilePlan, default_xla_block_v
-
-
-def softplus(x):
-  """log(1 + e^x) = max(x, 0) + log1p(e^-|x|): stable for every x, and vectorizes.
-
-  The same identity `jax.nn.softplus` uses, without its inf/nan special cases,
-  which on CPU cost about 3x the whole tile's elementwise time.
-  """
-  return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+from cutbce.variants import LossOptions, softplus  # noqa: F401  (softplus: re-exported)
 
 
 def tile_logits(hidden, table_tile, bias_tile):
@@ -80,37 +80,51 @@ def _update_rows(array, update, start):
   return lax.dynamic_update_slice_in_dim(array, update, start, axis=0)
 
 
+def _plan(plan, kernel, hidden, num_items, num_targets=1):
+  if plan is not None:
+    return plan
+  return default_plan(kernel, hidden.shape[0], num_items, hidden.shape[1], hidden.dtype,
+                      num_targets=num_targets)
+
+
 @functools.partial(jax.named_call, name="cutbce_xla_forward")
-def forward(hidden, table, bias, *, plan: TilePlan, with_counts: bool):
+def forward(hidden, table, bias, *, plan: TilePlan | None, with_counts: bool,
+            options: LossOptions = variants.PLAIN, num_items: int | None = None):
   num_tokens = hidden.shape[0]
+  num_items = table.shape[0] if num_items is None else num_items
+  plan = _plan(plan, "forward", hidden, num_items)
 
   def step(carry, start, size):
-    softplus_sum, positive_count = carry
+    dense_sum, positive_count = carry
     logits = tile_logits(
         hidden, _slice_rows(table, start, size), _slice_rows(bias, start, size)
     )  # [T, block_v]
-    softplus_sum = softplus_sum + jnp.sum(softplus(logits), axis=-1)
+    dense_sum = dense_sum + jnp.sum(variants.tile_value(options, logits), axis=-1)
     if with_counts:
       positive_count = positive_count + jnp.sum(logits > 0, axis=-1, dtype=jnp.int32)
-    return softplus_sum, positive_count
+    return dense_sum, positive_count
 
   init = (
       jnp.zeros((num_tokens,), jnp.float32),
       jnp.zeros((num_tokens,), jnp.int32) if with_counts else None,
   )
-  return _walk_tiles(table.shape[0], plan.block_v, step, init)
+  return _walk_tiles(num_items, plan.block_v, step, init)
 
 
 @functools.partial(jax.named_call, name="cutbce_xla_backward")
-def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePlan):
+def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePlan | None,
+             options: LossOptions = variants.PLAIN, num_items: int | None = None):
   compute_dtype = jnp.result_type(hidden.dtype, table.dtype)
+  num_items = table.shape[0] if num_items is None else num_items
+  plan = _plan(plan, "backward", hidden, num_items)
 
   def step(carry, start, size):
     hidden_grad, table_grad, bias_grad = carry
     table_tile = _slice_rows(table, start, size)  # [block_v, D]
     logits = tile_logits(hidden, table_tile, _slice_rows(bias, start, size))
-    # d l_t / d x_tv of the background is sigmoid(x_tv); scaled by g_t.
-    logit_grad = scale[:, None] * jax.nn.sigmoid(logits)  # [T, block_v] f32
+    # d l_t / d x_tv of the background is phi'(x_tv) (sigmoid for plain
+    # BCE); scaled by g_t.
+    logit_grad = scale[:, None] * variants.tile_grad(options, logits)  # [T, block_v] f32
     logit_grad_c = logit_grad.astype(compute_dtype)
     hidden_grad = hidden_grad + lax.dot_general(
         logit_grad_c, table_tile, (((1,), (0,)), ((), ())),
@@ -132,15 +146,19 @@ def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePla
     return hidden_grad, table_grad, bias_grad
 
   init = (jnp.zeros(hidden.shape, jnp.float32), table_grad, bias_grad)
-  return _walk_tiles(table.shape[0], plan.block_v, step, init)
+  return _walk_tiles(num_items, plan.block_v, step, init)
 
 
 @functools.partial(jax.named_call, name="cutbce_xla_rank_counts")
-def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePlan):
+def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePlan | None,
+                options: LossOptions = variants.PLAIN, num_items: int | None = None):
+  num_items = table.shape[0] if num_items is None else num_items
+  plan = _plan(plan, "ranks", hidden, num_items, target_logits.shape[1])
+
   def step(counts, start, size):
-    logits = tile_logits(
+    logits = variants.cap(options, tile_logits(
         hidden, _slice_rows(table, start, size), _slice_rows(bias, start, size)
-    )  # [T, block_v]
+    ))  # [T, block_v]
     item_ids = start + jnp.arange(size, dtype=jnp.int32)  # [block_v]
     larger = logits[:, :, None] > target_logits[:, None, :]  # [T, block_v, L]
     # A target's own column is left out, so its rank does not depend on
@@ -149,10 +167,16 @@ def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePla
     return counts + jnp.sum(larger & other, axis=1, dtype=jnp.int32)
 
   init = jnp.zeros(target_logits.shape, jnp.int32)
-  return _walk_tiles(table.shape[0], plan.block_v, step, init)
+  return _walk_tiles(num_items, plan.block_v, step, init)
 
 
-def default_plan(num_tokens: int, vocab: int, dim: int, dtype) -> TilePlan:
-  """The XLA path's plan: only `block_v` matters (see `tiling.default_xla_block_v`)."""
+def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
+                 num_targets: int = 1) -> TilePlan:
+  """The XLA path's plan for one kernel: only `block_v` matters.
+
+  The rank kernel compares each logit with L targets, so its tile is sized
+  for T * L rows (see `tiling.default_xla_block_v`).
+  """
   del dim, dtype
-  return TilePlan(block_v=default_xla_block_v(num_tokens, vocab))
+  rows = num_tokens * num_targets if kernel == "ranks" else num_tokens
+  return TilePlan(block_v=default_xla_block_v(rows, vocab))

@@ -34,8 +34,9 @@ class Layout:
     mesh: the device mesh.
     token_axes: mesh axes splitting the leading (token) dimension, major first.
     vocab_axis: mesh axis splitting the table's rows, or None (replicated).
-    vocab: the caller's V.
+    vocab: the caller's V (the table's rows).
     padded_vocab: V rounded up to a multiple of the vocab axis size.
+    num_items: the rows that are items (<= V); rows past it are padding.
   """
 
   mesh: Mesh
@@ -43,6 +44,7 @@ class Layout:
   vocab_axis: str | None
   vocab: int
   padded_vocab: int
+  num_items: int
 
   @property
   def vocab_shards(self) -> int:
@@ -105,7 +107,7 @@ def _table_dim_is_sharded(table) -> bool:
   return spec is not None and len(spec) > 1 and spec[1] is not None
 
 
-def make_layout(mesh, token_axes, vocab_axis, *, hidden_shape, table) -> Layout:
+def make_layout(mesh, token_axes, vocab_axis, *, hidden_shape, table, num_items=None) -> Layout:
   """Checks the mesh arguments against the inputs and returns the `Layout`.
 
   Raises:
@@ -137,6 +139,7 @@ def make_layout(mesh, token_axes, vocab_axis, *, hidden_shape, table) -> Layout:
   layout = Layout(
       mesh=mesh, token_axes=token_axes, vocab_axis=vocab_axis, vocab=vocab,
       padded_vocab=-(-vocab // shards) * shards,
+      num_items=vocab if num_items is None else num_items,
   )
   batch = hidden_shape[0]
   if batch % layout.token_shards:
@@ -209,13 +212,30 @@ def shard_rows(layout: Layout):
   """(offset, real_rows) of this device's vocab shard, int32 scalars.
 
   Rows [offset, offset + rows_per_shard) of the padded table live here; the
-  first `real_rows` of them are items, the rest padding.
+  first `real_rows` of them are items (global row < `num_items`), the rest
+  padding.
   """
   if layout.vocab_axis is None:
-    return jnp.int32(0), jnp.int32(layout.vocab)
+    return jnp.int32(0), jnp.int32(layout.num_items)
   offset = lax.axis_index(layout.vocab_axis).astype(jnp.int32) * layout.rows_per_shard
-  real_rows = jnp.clip(layout.vocab - offset, 0, layout.rows_per_shard)
+  real_rows = jnp.clip(layout.num_items - offset, 0, layout.rows_per_shard)
   return offset, real_rows
+
+
+def zero_padding_rows(layout: Layout, real_rows, table, bias):
+  """This shard's table and bias with rows at or past `real_rows` set to 0.
+
+  Only needed when the caller's table holds rows past `num_items` (rows
+  added by `make_layout`'s padding are zeros already); then each shard makes
+  one masked copy of its rows, so that every padding row has logit exactly 0.
+  """
+  if layout.num_items == layout.vocab:
+    return table, bias
+  rows = lax.broadcasted_iota(jnp.int32, (table.shape[0], 1), 0)
+  table = jnp.where(rows < real_rows, table, jnp.zeros_like(table))
+  if bias is not None:
+    bias = jnp.where(rows[:, 0] < real_rows, bias, jnp.zeros_like(bias))
+  return table, bias
 
 
 def split_ids(ids, num_targets: int):

@@ -19,12 +19,15 @@ The weighted token reduction ("mean"/"sum") runs outside, in plain JAX on the
 `[T]` losses, exactly as `cut_bce` does (one all-reduce placed by XLA).
 
 Padded rows. A padded row is e_v = 0 with b_v = 0, so x_tv = h_t . 0 = 0
-exactly for finite h. Its only effects are: + softplus(0) = log 2 on every
-token's dense sum (subtracted per shard: l_t -= n_pad log 2, exact up to one
-float32 rounding), + 0 to the positive counts (0 > 0 is false), + sigmoid(0)
-e_v = 0 to dh, rows of dE/db that are sliced off by the pad's transpose, and
-+1 to a rank when 0 > x_target (subtracted exactly). Counts use each shard's
-number of real rows, so padded rows are never negatives.
+exactly for finite h. Its only effects are: + A phi(0) on every token's dense
+sum (log 2 for plain BCE; subtracted per shard: l_t -= n_pad A phi(0), exact
+up to one float32 rounding), + 0 to the linear sum of a smoothed loss, + 0 to
+the positive counts (0 > 0 is false), + phi'(0) e_v = 0 to dh, rows of dE/db
+that are zeroed (and sliced off by the pad's transpose), and +1 to a rank
+when 0 > x_target (subtracted exactly). Counts use each shard's number of
+real rows, so padded rows are never negatives. Rows the caller marks as
+padding with `num_items` hold arbitrary values: each shard zeroes them first
+(`layout.zero_padding_rows`), and they are then padded rows like the others.
 """
 
 from __future__ import annotations
@@ -37,8 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from cutbce import api, inputs, reference, sparse
-from cutbce.kernels.tiling import TilePlan
+from cutbce import api, inputs, reference, sparse, variants
 from cutbce.sharding import layout as layout_lib
 from cutbce.sharding.layout import Layout
 
@@ -47,9 +49,7 @@ class _Static(NamedTuple):
   """Everything the custom VJP is traced with (hashable)."""
 
   layout: Layout
-  backend: str
-  plan: TilePlan
-  with_counts: bool
+  call: api.TiledCall  # the local op; its num_items is the shard's row count
   num_targets: int  # L: the packed ids are [T, L + E].
 
 
@@ -76,7 +76,7 @@ def _local_ids(static: _Static, ids, offset):
   """Packed global ids -> (global `SparseIds`, `SparseIds` into this shard)."""
   targets, exclude = layout_lib.split_ids(ids, static.num_targets)
   # Dedup and "exclude minus targets" need the global ids: decide, then rebase.
-  global_ids = sparse.prepare_ids(targets, exclude, static.layout.vocab)
+  global_ids = sparse.prepare_ids(targets, exclude, static.layout.num_items)
   return global_ids, layout_lib.rebase_ids(global_ids, offset, static.layout.rows_per_shard)
 
 
@@ -96,14 +96,14 @@ def _forward(static: _Static, hidden, table, bias, ids):
   def local(hidden, table, bias, ids):
     hidden, ids = layout_lib.gather_tokens(layout, hidden, ids)
     offset, real_rows = layout_lib.shard_rows(layout)
+    table, bias = layout_lib.zero_padding_rows(layout, real_rows, table, bias)
     _, local_ids = _local_ids(static, ids, offset)
     per_token, counts = api.tiled_forward(
-        static.backend, static.plan, static.with_counts, hidden, table, bias,
-        local_ids, real_rows,
+        static.call, hidden, table, bias, local_ids, counted_items=real_rows,
     )  # [T_group] f32, counts over this shard's real rows
-    # Each padded row added softplus(0) to every token (its logit is exactly 0).
+    # Each padded row added A phi(0) to every token (its logit is exactly 0).
     padded = _padded_rows(layout, real_rows).astype(jnp.float32)
-    per_token = per_token - padded * jax.nn.softplus(jnp.float32(0.0))
+    per_token = per_token - padded * _padding_row_loss(static.call.options)
     per_token = layout_lib.scatter_tokens(layout, per_token)  # [T_local]
     if counts is None:
       return per_token
@@ -117,7 +117,7 @@ def _forward(static: _Static, hidden, table, bias, ids):
     in_specs, args = in_specs[:2] + in_specs[3:], (hidden, table, ids)
   else:
     fn, args = local, (hidden, table, bias, ids)
-  if not static.with_counts:
+  if not static.call.with_counts:
     return _map(layout, fn, in_specs, token_spec)(*args), None
   counts_spec = P(None, *token_spec)
   return _map(layout, fn, in_specs, (token_spec, counts_spec))(*args)
@@ -128,11 +128,17 @@ def _backward(static: _Static, hidden, table, bias, ids, scale):
 
   def local(hidden, table, bias, ids, scale):
     hidden, ids, scale = layout_lib.gather_tokens(layout, hidden, ids, scale)
-    offset, _ = layout_lib.shard_rows(layout)
+    offset, real_rows = layout_lib.shard_rows(layout)
+    table, bias = layout_lib.zero_padding_rows(layout, real_rows, table, bias)
     _, local_ids = _local_ids(static, ids, offset)
     hidden_grad, table_grad, bias_grad = api.tiled_backward(
-        static.backend, static.plan, hidden, table, bias, local_ids, scale
+        static.call, hidden, table, bias, local_ids, scale
     )  # f32 [T_group, D], [V_shard, D], [V_shard]
+    if layout.num_items != layout.vocab:
+      # Rows past num_items get exactly zero (the dense part reached them).
+      table_grad, bias_grad = layout_lib.zero_padding_rows(
+          layout, real_rows, table_grad, bias_grad
+      )
     hidden_grad = layout_lib.scatter_tokens(layout, hidden_grad)  # [T_local, D]
     if layout.table_sum_axes:
       table_grad, bias_grad = lax.psum((table_grad, bias_grad), layout.table_sum_axes)
@@ -195,19 +201,17 @@ def _prepare(layout: Layout, hidden, table, bias, ids):
   )
 
 
-def _local_plan(backend, plan, layout: Layout, num_rows: int, flat: inputs.Flat):
-  if plan is not None:
-    return plan
-  return api.default_plan(
-      backend, num_rows, layout.rows_per_shard, flat.table.shape[1],
-      jnp.result_type(flat.hidden.dtype, flat.table.dtype),
-  )
+def _padding_row_loss(options):
+  """What one zero row (logit exactly 0) adds to every token's loss: A phi(0)."""
+  scale, _ = options.affine_coefficients()
+  return scale * variants.tile_value(options, jnp.float32(0.0))
 
 
 def sharded_cut_bce(
     hidden, table, targets, weights=None, *, mesh, token_axes=("data",), vocab_axis=None,
     bias=None, exclude=None, reduction="mean", vocab_reduction="mean",
-    return_stats=False, backend="auto", plan=None,
+    return_stats=False, backend="auto", plan=None, num_items=None, pos_weight=None,
+    label_smoothing=0.0, logit_soft_cap=None, focal_gamma=None, focal_alpha=None,
 ):
   """`cutbce.cut_bce` on a device mesh, collectives outside the vocabulary loop.
 
@@ -228,10 +232,12 @@ def sharded_cut_bce(
     vocab_axis: mesh axis name splitting the table's rows, or None (replicated).
       It may also be one of `token_axes`: hidden is then all-gathered over it
       before the local op and dh reduce-scattered back after it.
-    bias, exclude, reduction, vocab_reduction, return_stats, backend, plan: as
-      in `cut_bce`; `vocab_reduction="mean"` divides by the caller's V. `plan`
-      tiles the local op (default: the backend's plan for the local shapes).
-      backend="dense" runs the reference on the global arrays (XLA partitions).
+    bias, exclude, reduction, vocab_reduction, return_stats, backend, plan,
+      num_items, pos_weight, label_smoothing, logit_soft_cap, focal_gamma,
+      focal_alpha: as in `cut_bce`; `vocab_reduction="mean"` divides by
+      `num_items` (default the caller's V). `plan` tiles the local op
+      (default: each kernel's plan for the local shapes). backend="dense" runs
+      the reference on the global arrays (XLA partitions).
 
   Returns:
     As `cut_bce`: float32 scalar, or `[B, ...]` for reduction="none" (split
@@ -254,35 +260,42 @@ def sharded_cut_bce(
   inputs.check_choice("reduction", reduction, inputs.REDUCTIONS)
   inputs.check_choice("vocab_reduction", vocab_reduction, inputs.VOCAB_REDUCTIONS)
   inputs.check_plan(plan)
+  inputs.check_choice("backend", backend, api.BACKEND_CHOICES)
+  options = variants.make_options(
+      pos_weight=pos_weight, label_smoothing=label_smoothing, logit_soft_cap=logit_soft_cap,
+      focal_gamma=focal_gamma, focal_alpha=focal_alpha,
+  )
   flat = inputs.flatten_inputs(hidden, table, targets, weights, bias, exclude)
+  num_items = inputs.check_num_items(num_items, flat.table.shape[0])
   backend = api.resolve_backend(backend, flat)
   layout = layout_lib.make_layout(
-      mesh, token_axes, vocab_axis, hidden_shape=jnp.shape(hidden), table=table
+      mesh, token_axes, vocab_axis, hidden_shape=jnp.shape(hidden), table=table,
+      num_items=num_items,
   )
   if backend == "dense":
     return reference.dense_bce(
         hidden, table, targets, weights, bias=bias, exclude=exclude,
         reduction=reduction, vocab_reduction=vocab_reduction, return_stats=return_stats,
+        num_items=num_items, **api.options_kwargs(options),
     )
-  num_tokens = flat.hidden.shape[0]
   static = _Static(
-      layout=layout, backend=backend,
-      plan=_local_plan(backend, plan, layout, layout.group_tokens(num_tokens), flat),
-      with_counts=bool(return_stats), num_targets=flat.targets.shape[-1],
+      layout=layout,
+      call=api.TiledCall(backend, plan, bool(return_stats), options, layout.rows_per_shard),
+      num_targets=flat.targets.shape[-1],
   )
   args = _prepare(
       layout, flat.hidden, flat.table, flat.bias, _pack_ids(flat.targets, flat.exclude)
   )
   per_token, counts = _sharded_loss(static, *args)
-  loss = inputs.reduce_losses(per_token, flat, reduction, vocab_reduction)
+  loss = inputs.reduce_losses(per_token, flat, reduction, vocab_reduction, num_items)
   if not return_stats:
     return loss
-  return loss, inputs.weighted_stats(tuple(counts), lax.stop_gradient(flat.weights))
+  return loss, inputs.weighted_stats(tuple(counts), flat.weights)
 
 
 def sharded_target_ranks(
     hidden, table, targets, *, mesh, token_axes=("data",), vocab_axis=None,
-    bias=None, exclude=None, backend="auto", plan=None,
+    bias=None, exclude=None, backend="auto", plan=None, num_items=None, logit_soft_cap=None,
 ):
   """`cutbce.target_ranks` on a device mesh: int32 `[B, ..., L]`, 0 for padding.
 
@@ -292,7 +305,8 @@ def sharded_target_ranks(
   one local tiled pass, and the counts are summed over the vocab axis.
 
   Args:
-    hidden, table, targets, bias, exclude, backend, plan: as in `target_ranks`.
+    hidden, table, targets, bias, exclude, backend, plan, num_items,
+      logit_soft_cap: as in `target_ranks`.
     mesh, token_axes, vocab_axis: as in `sharded_cut_bce`.
 
   Returns:
@@ -302,20 +316,23 @@ def sharded_target_ranks(
     ValueError, TypeError: as `sharded_cut_bce`.
   """
   inputs.check_plan(plan)
+  inputs.check_choice("backend", backend, api.BACKEND_CHOICES)
+  options = variants.make_options(logit_soft_cap=logit_soft_cap)
   flat = inputs.flatten_inputs(hidden, table, targets, None, bias, exclude)
+  num_items = inputs.check_num_items(num_items, flat.table.shape[0])
   backend = api.resolve_backend(backend, flat)
   layout = layout_lib.make_layout(
-      mesh, token_axes, vocab_axis, hidden_shape=jnp.shape(hidden), table=table
+      mesh, token_axes, vocab_axis, hidden_shape=jnp.shape(hidden), table=table,
+      num_items=num_items,
   )
   if backend == "dense":
-    return reference.dense_target_ranks(hidden, table, targets, bias=bias, exclude=exclude)
+    return reference.dense_target_ranks(hidden, table, targets, bias=bias, exclude=exclude,
+                                        num_items=num_items, logit_soft_cap=logit_soft_cap)
   num_targets = flat.targets.shape[-1]
   static = _Static(
-      layout=layout, backend=backend,
-      plan=_local_plan(
-          backend, plan, layout, layout.group_tokens(flat.hidden.shape[0]) * num_targets, flat
-      ),
-      with_counts=False, num_targets=num_targets,
+      layout=layout,
+      call=api.TiledCall(backend, plan, False, options, layout.rows_per_shard),
+      num_targets=num_targets,
   )
   hidden_, table_, bias_ = (
       lax.stop_gradient(x) if x is not None else None
@@ -328,23 +345,29 @@ def sharded_target_ranks(
 
 def _ranks(static: _Static, hidden, table, bias, ids):
   layout = static.layout
-  kernels = api.kernel_module(static.backend)
+  call = static.call
+  kernels = api.kernel_module(call.backend)
 
   def local(hidden, table, bias, ids):
     hidden, ids = layout_lib.gather_tokens(layout, hidden, ids)
     offset, real_rows = layout_lib.shard_rows(layout)
+    table, bias = layout_lib.zero_padding_rows(layout, real_rows, table, bias)
     global_ids, local_ids = _local_ids(static, ids, offset)
     logits = sparse.sparse_logits(hidden, table, bias, local_ids)
     # x_tp lives on the shard that owns row p; the others add 0, so exact.
-    target_logits = jnp.where(local_ids.target_mask, logits.target, 0.0)  # [T_group, L]
+    target_logits = jnp.where(
+        local_ids.target_mask, variants.cap(call.options, logits.target), 0.0
+    )  # [T_group, L]
     if layout.vocab_axis is not None:
       target_logits = lax.psum(target_logits, layout.vocab_axis)
     # -1 matches no local column: only the owning shard leaves out x_tp itself.
     own_ids = jnp.where(local_ids.target_mask, local_ids.target_ids, -1)
     larger = kernels.rank_counts(
-        hidden, table, bias, target_logits, own_ids, plan=static.plan
+        hidden, table, bias, target_logits, own_ids, plan=call.plan, options=call.options,
+        num_items=call.num_items,
     )  # [T_group, L]
-    larger = larger - sparse.excluded_above(local_ids, logits.exclude, target_logits)
+    exclude_logits = None if logits.exclude is None else variants.cap(call.options, logits.exclude)
+    larger = larger - sparse.excluded_above(local_ids, exclude_logits, target_logits)
     # Padded rows have logit exactly 0: counted wherever 0 > x_target.
     padded = _padded_rows(layout, real_rows)
     larger = larger - padded * (target_logits < 0).astype(jnp.int32)

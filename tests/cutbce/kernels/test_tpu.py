@@ -159,11 +159,25 @@ def test_target_ranks_with_bias_and_exclude():
   np.testing.assert_array_equal(got, want)
 
 
+def test_mixed_dtypes_are_cast_not_refused():
+  raw = make_inputs((2, 5), 300, 16, num_targets=2, num_exclude=2, seed=4)
+  hidden = jnp.asarray(raw["hidden"], jnp.bfloat16)
+  table = jnp.asarray(raw["table"], jnp.float32)
+  plan = TilePlan(block_v=128, block_t=8, token_chunk=16, vmem_limit_bytes=64 * MIB)
+  run = lambda backend, p: jax.value_and_grad(  # noqa: E731
+      lambda h, e: cutbce.cut_bce(h, e, raw["targets"], backend=backend, plan=p),
+      argnums=(0, 1))(hidden, table)
+  (value, (dh, de)), (want, (want_dh, want_de)) = run("pallas_tpu", plan), run("xla", None)
+  assert dh.dtype == jnp.bfloat16 and de.dtype == jnp.float32
+  np.testing.assert_allclose(float(value), float(want), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(de), np.asarray(want_de), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(dh, np.float32), np.asarray(want_dh, np.float32),
+                             rtol=1e-2, atol=1e-6)
+
+
 def test_unsupported_inputs_raise_not_implemented():
   hidden = jnp.ones((4, 8), jnp.float32)
   targets = jnp.zeros((4, 1), jnp.int32)
-  with pytest.raises(NotImplementedError, match="bfloat16"):
-    cutbce.cut_bce(hidden, jnp.ones((10, 8), jnp.bfloat16), targets, backend="pallas_tpu")
   with pytest.raises(NotImplementedError, match="float16"):
     cutbce.cut_bce(hidden.astype(jnp.float16), jnp.ones((10, 8), jnp.float16), targets,
                    backend="pallas_tpu")
@@ -178,7 +192,10 @@ def test_auto_picks_pallas_only_on_tpu_and_only_where_supported(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   monkeypatch.setattr(tiling, "chip_spec", lambda chip=None: tiling._FALLBACK_CHIPS["v5e"])
   assert api.resolve_backend("auto", flat) == "pallas_tpu"
-  assert api.resolve_backend("auto", mixed) == "xla"
+  assert api.resolve_backend("auto", mixed) == "pallas_tpu"  # cast, not refused
+  half = cutbce.inputs.flatten_inputs(
+      hidden.astype(jnp.float16), jnp.ones((10, 8), jnp.float16), targets)
+  assert api.resolve_backend("auto", half) == "xla"
   wide = 1 << 16  # D so large that even 128-row tiles overflow VMEM
   huge = cutbce.inputs.flatten_inputs(
       jnp.ones((4, wide), jnp.float32), jnp.ones((10, wide), jnp.float32), targets)
