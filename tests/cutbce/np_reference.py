@@ -5,19 +5,51 @@ from __future__ import annotations
 import numpy as np
 
 
-def _masks(targets, exclude, vocab):
+def _masks(targets, exclude, vocab, num_items=None):
+  num_items = vocab if num_items is None else num_items
   t = targets.shape[0]
   labels = np.zeros((t, vocab), bool)
   for row, ids in enumerate(targets):
-    ids = ids[(ids >= 0) & (ids < vocab)]
+    ids = ids[(ids >= 0) & (ids < num_items)]
     labels[row, ids] = True
   counted = np.ones((t, vocab), bool)
   if exclude is not None:
     for row, ids in enumerate(exclude):
-      ids = ids[(ids >= 0) & (ids < vocab)]
+      ids = ids[(ids >= 0) & (ids < num_items)]
       counted[row, ids] = False
     counted |= labels  # ids that are also targets stay targets
+  counted[:, num_items:] = False  # padding rows are never counted
   return labels, counted
+
+
+def elementwise(x, y, *, pos_weight=None, label_smoothing=0.0, logit_soft_cap=None,
+                focal_gamma=None, focal_alpha=None):
+  """The per-logit loss with every option, float64, written from the formula via p.
+
+      x~ = c tanh(x/c);  y' = y(1-e) + e/2;  p = sigmoid(x~)
+      bce = -(w y' log p + (1 - y') log(1 - p))
+      f = a_t (1 - p_t)^g bce,  p_t = y' p + (1-y')(1-p),  a_t = y' a + (1-y')(1-a)
+  """
+  x = np.asarray(x, np.float64)
+  if logit_soft_cap is not None:
+    x = logit_soft_cap * np.tanh(x / logit_soft_cap)
+  y = np.asarray(y, np.float64) * (1 - label_smoothing) + label_smoothing / 2
+  w = 1.0 if pos_weight is None else pos_weight
+  log_p, log_not_p = -np.logaddexp(0.0, -x), -np.logaddexp(0.0, x)
+  loss = -(w * y * log_p + (1 - y) * log_not_p)
+  if focal_gamma:
+    p = np.exp(log_p)
+    p_t = y * p + (1 - y) * (1 - p)
+    loss = (1 - p_t) ** focal_gamma * loss
+  if focal_alpha is not None:
+    loss = (y * focal_alpha + (1 - y) * (1 - focal_alpha)) * loss
+  return loss
+
+
+def elementwise_grad(x, y, **options):
+  """d elementwise / dx by central differences in float64 (error ~1e-9)."""
+  step = 1e-5
+  return (elementwise(x + step, y, **options) - elementwise(x - step, y, **options)) / (2 * step)
 
 
 
@@ -30,23 +62,28 @@ def logits_of(hidden, table, bias=None):
 
 
 def bce(hidden, table, targets, weights=None, *, bias=None, exclude=None,
-        reduction="mean", vocab_reduction="mean", upstream=None):
+        reduction="mean", vocab_reduction="mean", upstream=None, num_items=None, **options):
   """Returns (loss, grads dict(hidden, table, bias), stats tuple) in float64.
 
   `upstream` is the cotangent of the output (scalar, or leading-shaped for
-  reduction="none"; default 1 / ones).
+  reduction="none"; default 1 / ones). `options` are the loss variants
+  (`elementwise`); rows at or past `num_items` are padding.
   """
   leading = hidden.shape[:-1]
   table64 = np.asarray(table, np.float64)
   vocab = table64.shape[0]
+  num_items = vocab if num_items is None else num_items
   h, x = logits_of(hidden, table, bias)
   t = h.shape[0]
   labels, counted = _masks(np.asarray(targets).reshape(t, -1),
-                           None if exclude is None else np.asarray(exclude).reshape(t, -1), vocab)
+                           None if exclude is None else np.asarray(exclude).reshape(t, -1),
+                           vocab, num_items)
   w = np.ones(t) if weights is None else np.asarray(weights, np.float64).reshape(t)
-  softplus = np.logaddexp(0.0, x)
-  per_token = np.sum(np.where(counted, softplus - labels * x, 0.0), axis=1)
-  scale = 1.0 / vocab if vocab_reduction == "mean" else 1.0
+  # A position of weight 0 is dropped whatever its hidden row holds.
+  x = np.where((w != 0)[:, None], x, 0.0)
+  h = np.where((w != 0)[:, None], h, 0.0)
+  per_token = np.sum(np.where(counted, elementwise(x, labels, **options), 0.0), axis=1)
+  scale = 1.0 / num_items if vocab_reduction == "mean" else 1.0
   per_token = per_token * scale
   if reduction == "none":
     loss = (w * per_token).reshape(leading)
@@ -59,8 +96,7 @@ def bce(hidden, table, targets, weights=None, *, bias=None, exclude=None,
     total = w.sum()
     loss = np.sum(w * per_token) / total if total != 0 else 0.0
     g = (1.0 if upstream is None else upstream) * (w / total if total != 0 else 0 * w) * scale
-  sigmoid = 1.0 / (1.0 + np.exp(-x))
-  dx = np.where(counted, sigmoid - labels, 0.0) * g[:, None]
+  dx = np.where(counted, elementwise_grad(x, labels, **options), 0.0) * g[:, None]
   grads = dict(
       hidden=(dx @ table64).reshape(hidden.shape),
       table=dx.T @ h,
@@ -74,18 +110,22 @@ def bce(hidden, table, targets, weights=None, *, bias=None, exclude=None,
   return loss, grads, stats
 
 
-def ranks(hidden, table, targets, *, bias=None, exclude=None):
+def ranks(hidden, table, targets, *, bias=None, exclude=None, num_items=None, logit_soft_cap=None):
   """int [..., L]: 1 + #{counted v : x_tv > x_tp} by sorting each row; 0 for padding/repeats."""
   _, x = logits_of(hidden, table, bias)
+  if logit_soft_cap is not None:
+    x = logit_soft_cap * np.tanh(x / logit_soft_cap)
   t, vocab = x.shape
+  num_items = vocab if num_items is None else num_items
   targets2 = np.asarray(targets).reshape(t, -1)
-  _, counted = _masks(targets2, None if exclude is None else np.asarray(exclude).reshape(t, -1), vocab)
+  _, counted = _masks(targets2, None if exclude is None else np.asarray(exclude).reshape(t, -1),
+                      vocab, num_items)
   out = np.zeros(targets2.shape, np.int64)
   for row in range(t):
     ordered = np.sort(x[row, counted[row]])[::-1]  # descending
     seen = set()
     for k, item in enumerate(targets2[row]):
-      if not 0 <= item < vocab or item in seen:
+      if not 0 <= item < num_items or item in seen:
         continue
       seen.add(item)
       # Items strictly larger: position of the first value <= x in descending order.

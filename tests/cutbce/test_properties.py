@@ -1,4 +1,4 @@
-"""Property test: over random small shapes and arguments, the XLA path equals dense_bce."""
+"""Property test: over random small shapes, arguments and loss variants, the XLA path equals dense_bce."""
 
 from __future__ import annotations
 
@@ -21,7 +21,17 @@ def problems(draw):
   seed = draw(st.integers(0, 2**31 - 1))
   rng = np.random.default_rng(seed)
   ids = lambda shape: rng.integers(-2, vocab + 2, size=shape).astype(np.int32)
+  maybe = lambda value: draw(st.sampled_from([None, value]))  # noqa: E731
+  options = dict(
+      pos_weight=maybe(draw(st.floats(0.1, 5.0))),
+      label_smoothing=draw(st.sampled_from([0.0, draw(st.floats(0.0, 1.0))])),
+      logit_soft_cap=maybe(draw(st.floats(0.5, 10.0))),
+      focal_gamma=maybe(draw(st.floats(0.0, 3.0))),
+      focal_alpha=maybe(draw(st.floats(0.0, 1.0))),
+  )
   return dict(
+      **options,
+      num_items=draw(st.sampled_from([None, draw(st.integers(1, vocab))])),
       hidden=rng.normal(size=(tokens, dim)).astype(np.float32),
       table=rng.normal(size=(vocab, dim)).astype(np.float32),
       bias=rng.normal(size=(vocab,)).astype(np.float32) if draw(st.booleans()) else None,
@@ -34,7 +44,7 @@ def problems(draw):
   )
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_xla_path_equals_dense(problem):
   plan = problem.pop("plan")
@@ -52,8 +62,8 @@ def test_xla_path_equals_dense(problem):
       continue
     scale = max(float(jnp.max(jnp.abs(ref))), 1e-6)
     np.testing.assert_allclose(np.asarray(got) / scale, np.asarray(ref) / scale, atol=1e-5)
-  ranks = cutbce.target_ranks(hidden, table, problem["targets"], bias=bias,
-                              exclude=problem["exclude"], backend="xla", plan=plan)
-  want_ranks = cutbce.target_ranks(hidden, table, problem["targets"], bias=bias,
-                                   exclude=problem["exclude"], backend="dense")
+  rank_args = dict(bias=bias, exclude=problem["exclude"], num_items=problem["num_items"])
+  ranks = cutbce.target_ranks(hidden, table, problem["targets"], backend="xla", plan=plan,
+                              **rank_args)
+  want_ranks = cutbce.target_ranks(hidden, table, problem["targets"], backend="dense", **rank_args)
   np.testing.assert_array_equal(np.asarray(ranks), np.asarray(want_ranks))
