@@ -32,14 +32,14 @@ def eval_step(params, batch, *, graphdef, settings: train_lib.StepSettings, filt
   """Metrics of one global batch: `rank_metrics` of the last-position ranks."""
   model = nnx.merge(graphdef, params)
   hidden = model(batch["inputs"], deterministic=True)[:, -1, :]  # [B, D]
-  table = model.item_table  # [V_padded, D]
+  table = model.item_table  # [V_padded, D]: rows past num_items are never ranked
   targets = jnp.where(batch["weights"][:, None] > 0, batch["targets"], -1)  # [B, L]
   exclude = batch["exclude"] if filter_seen else None  # [B, E]
-  padding = train_lib.padding_exclude(hidden.shape[:-1], settings.num_items, table.shape[0])
-  if padding is not None:
-    exclude = padding if exclude is None else jnp.concatenate([exclude, padding], axis=-1)
-  ranks = cutbce_sharding.sharded_target_ranks(hidden, table, targets, mesh=settings.mesh, token_axes=settings.token_axes,
-                   vocab_axis=settings.vocab_axis, exclude=exclude, backend=settings.backend)
+  ranks = cutbce_sharding.sharded_target_ranks(
+      hidden, table, targets, mesh=settings.mesh, token_axes=settings.token_axes,
+      vocab_axis=settings.vocab_axis, exclude=exclude, backend=settings.backend,
+      num_items=settings.num_items,
+  )
   return cutbce.rank_metrics(ranks, ks=ks)
 
 

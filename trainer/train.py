@@ -33,18 +33,6 @@ from trainer import model as model_lib
 TrainState = dict  # {"step": int32 [], "params": dict, "opt_state": optax state}
 
 
-def padding_exclude(leading_shape: tuple[int, ...], num_items: int, table_rows: int):
-  """int32 `[..., E]` ids of the table rows past V (E = rows - V), or None.
-
-  Those rows exist only to split the table evenly over the vocab axis; passed
-  as `exclude` they are neither negatives in the loss nor ranked.
-  """
-  if table_rows == num_items:
-    return None
-  ids = jnp.arange(num_items, table_rows, dtype=jnp.int32)
-  return jnp.broadcast_to(ids, tuple(leading_shape) + ids.shape)
-
-
 # --------------------------------------------------------------------------- #
 # Model, optimizer and state.                                                  #
 # --------------------------------------------------------------------------- #
@@ -129,11 +117,11 @@ class StepSettings(NamedTuple):
 def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings):
   model = nnx.merge(graphdef, params)
   hidden = model(batch["inputs"], deterministic=False, rngs=nnx.Rngs(dropout=dropout_key))
-  table = model.item_table  # [V_padded, D]
+  table = model.item_table  # [V_padded, D]: rows past num_items split the table evenly
   loss, stats = cutbce_sharding.sharded_cut_bce(
       hidden, table, batch["targets"], batch["weights"], mesh=settings.mesh,
       token_axes=settings.token_axes, vocab_axis=settings.vocab_axis,
-      exclude=padding_exclude(hidden.shape[:-1], settings.num_items, table.shape[0]),
+      num_items=settings.num_items,
       vocab_reduction=settings.vocab_reduction, return_stats=True, backend=settings.backend,
   )
   return loss, stats

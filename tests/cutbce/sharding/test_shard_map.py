@@ -51,34 +51,37 @@ def _inputs(dtype_name, vocab=V, num_targets=L):
   return hidden, table, bias, targets, exclude, weights
 
 
-def _all_outputs(loss_fn, ranks_fn, args):
+def _all_outputs(loss_fn, ranks_fn, args, num_items=None, options=()):
   """Loss, stats, (dh, dE, db) and ranks from one jitted program."""
   hidden, table, bias, targets, exclude, weights = args
+  options = dict(options)
+  cap = {"logit_soft_cap": options["logit_soft_cap"]} if "logit_soft_cap" in options else {}
 
   def run(hidden, table, bias):
     def loss(hidden, table, bias):
       return loss_fn(hidden, table, targets, weights, bias=bias, exclude=exclude,
-                     return_stats=True)
+                     return_stats=True, num_items=num_items, **options)
     (value, stats), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(
         hidden, table, bias)
-    ranks = ranks_fn(hidden, table, targets, bias=bias, exclude=exclude)
+    ranks = ranks_fn(hidden, table, targets, bias=bias, exclude=exclude, num_items=num_items,
+                     **cap)
     return value, stats, grads, ranks
 
   return jax.jit(run)(hidden, table, bias)
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(dtype_name, vocab=V, num_targets=L):
+def _reference(dtype_name, vocab=V, num_targets=L, num_items=None, options=()):
   args = _inputs(dtype_name, vocab, num_targets)
   return _all_outputs(
       functools.partial(cutbce.cut_bce, backend="xla"),
-      functools.partial(cutbce.target_ranks, backend="xla"), args)
+      functools.partial(cutbce.target_ranks, backend="xla"), args, num_items, options)
 
 
-def _sharded(mesh, token_axes, vocab_axis, args):
+def _sharded(mesh, token_axes, vocab_axis, args, num_items=None, options=()):
   kw = dict(mesh=mesh, token_axes=token_axes, vocab_axis=vocab_axis, backend="xla")
   return _all_outputs(functools.partial(sharded_cut_bce, **kw),
-                      functools.partial(sharded_target_ranks, **kw), args)
+                      functools.partial(sharded_target_ranks, **kw), args, num_items, options)
 
 
 def _assert_close(got, want, rtol):
@@ -106,6 +109,27 @@ def test_matches_unsharded_bf16(shape, token_axes, vocab_axis):
   args = _inputs("bfloat16")
   got = _sharded(_mesh(shape), token_axes, vocab_axis, args)
   _assert_close(got, _reference("bfloat16"), rtol=2e-2)
+
+
+# Every variant at once (soft cap and focal run in the tiles, smoothing and
+# pos_weight outside them), and a catalog of 900 items in a 1003-row table
+# whose rows past 900 hold ordinary values that must not count.
+ALL_VARIANTS = (("pos_weight", 2.0), ("label_smoothing", 0.1), ("logit_soft_cap", 4.0),
+                ("focal_gamma", 2.0), ("focal_alpha", 0.3))
+
+
+@pytest.mark.parametrize("shape,token_axes,vocab_axis", [LAYOUTS[0], LAYOUTS[2], LAYOUTS[4],
+                                                         LAYOUTS[6]])
+@pytest.mark.parametrize("num_items,options", [(900, ()), (None, ALL_VARIANTS),
+                                               (900, (("label_smoothing", 0.2),))])
+def test_variants_and_num_items_match_unsharded(shape, token_axes, vocab_axis, num_items, options):
+  args = _inputs("float32")
+  got = _sharded(_mesh(shape), token_axes, vocab_axis, args, num_items, options)
+  want = _reference("float32", num_items=num_items, options=options)
+  _assert_close(got, want, rtol=1e-5)
+  if num_items is not None:
+    de, db = got[2][1], got[2][2]
+    assert not np.any(np.asarray(de)[num_items:]) and not np.any(np.asarray(db)[num_items:])
 
 
 def test_whole_shards_of_padding():
