@@ -8,6 +8,12 @@ GEMMs of size T x V x D tile by tile with no elementwise work: what cut_bce
 would cost if softplus and sigmoid were free. Dense runs only where its temp
 memory fits `--dense-limit-gib`; above that it is compiled, not run.
 
+Also, side by side in the same run: `cut_bce` with every loss variant on
+(`VARIANTS`: pos_weight, label_smoothing, logit_soft_cap, focal) against the
+plain one, and the compiled temp memory of cut_bce in the other dtype
+(bf16 when timing f32 and vice versa). `--topk` adds the top-k rows of
+`benchmarks/topk_bench.py` (cut `top_k` against `lax.top_k` of dense logits).
+
     python benchmarks/loss_bench.py                     # the issue's sweep
     python benchmarks/loss_bench.py --vocab 16384 --repeats 2 --no-plot   # quick
 
@@ -30,6 +36,9 @@ import cutbce
 from cutbce.kernels import xla as xla_kernels
 
 DEFAULT_VOCABS = (16_384, 32_768, 65_536, 131_072, 262_144, 524_288, 1_048_576, 10_000_000)
+# Every loss variant at once (soft cap and focal run in the tiles).
+VARIANTS = dict(pos_weight=2.0, label_smoothing=0.1, logit_soft_cap=30.0, focal_gamma=2.0,
+                focal_alpha=0.25)
 
 
 def make_inputs(batch, seq, dim, vocab, num_targets, dtype, seed=0):
@@ -40,9 +49,9 @@ def make_inputs(batch, seq, dim, vocab, num_targets, dtype, seed=0):
   return hidden, table, targets
 
 
-def loss_fn(backend, plan=None):
+def loss_fn(backend, plan=None, **options):
   def fn(hidden, table, targets):
-    return cutbce.cut_bce(hidden, table, targets, backend=backend, plan=plan)
+    return cutbce.cut_bce(hidden, table, targets, backend=backend, plan=plan, **options)
   return fn
 
 
@@ -116,6 +125,8 @@ def main():
   parser.add_argument("--cut-only-above", type=int, default=1_048_576,
                       help="above this V only cut_bce is measured")
   parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--topk", action="store_true",
+                      help="also run topk_bench's rows (T, D and k from topk_bench's defaults)")
   parser.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True)
   args = parser.parse_args()
 
@@ -125,17 +136,24 @@ def main():
   rows = []
   print(f"loss_bench: T={tokens} D={args.dim} L={args.targets} {args.dtype} fwd+bwd, "
         f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores", flush=True)
+  other = jnp.dtype("float32" if dtype == jnp.bfloat16 else "bfloat16")
   header = (f"{'V':>10} {'block_v':>7} {'dense s':>8} {'dense MiB':>10} {'cut s':>8} "
-            f"{'cut MiB':>8} {'floor s':>8} {'cut/dense':>9} {'cut/floor':>9} {'%peak':>6}")
+            f"{'cut MiB':>8} {'floor s':>8} {'cut/dense':>9} {'cut/floor':>9} {'%peak':>6} "
+            f"{'var s':>7} {'var/cut':>7} {'var MiB':>7} {other.name[:4] + ' MiB':>9}")
   print(header)
   for vocab in args.vocab:
     hidden, table, targets = make_inputs(args.batch, args.seq, args.dim, vocab, args.targets, dtype)
     operands = (hidden, table, targets)
     plan = (cutbce.TilePlan(block_v=args.block_v) if args.block_v
-            else xla_kernels.default_plan(tokens, vocab, args.dim, dtype))
+            else xla_kernels.default_plan("forward", tokens, vocab, args.dim, dtype))
     grad = lambda f: jax.value_and_grad(f, argnums=(0, 1))
     contenders, row = {}, dict(vocab=vocab, block_v=plan.block_v)
     contenders["cut"], row["cut_temp_bytes"] = compile_with_temp(grad(loss_fn("xla", plan)), operands)
+    contenders["variants"], row["variants_temp_bytes"] = compile_with_temp(
+        grad(loss_fn("xla", plan, **VARIANTS)), operands)
+    other_operands = (hidden.astype(other), table.astype(other), targets)
+    _, row[f"cut_temp_bytes_{other.name}"] = compile_with_temp(
+        grad(loss_fn("xla", plan)), other_operands)
     if vocab <= args.cut_only_above:
       dense, row["dense_temp_bytes"] = compile_with_temp(grad(loss_fn("dense")), operands)
       if row["dense_temp_bytes"] <= args.dense_limit_gib * 2**30:
@@ -155,7 +173,13 @@ def main():
           f"{cut_temp / 2**20:8.1f} {fmt(row.get('floor_seconds'), '8.3f')} "
           f"{fmt(ratio(cut_time, row.get('dense_seconds')), '9.3f')} "
           f"{fmt(ratio(cut_time, row.get('floor_seconds')), '9.3f')} "
-          f"{fmt(None if not peak else 100 * row['cut_fraction_of_peak'], '6.1f')}", flush=True)
+          f"{fmt(None if not peak else 100 * row['cut_fraction_of_peak'], '6.1f')} "
+          f"{row['variants_seconds']:7.3f} {row['variants_seconds'] / cut_time:7.3f} "
+          f"{row['variants_temp_bytes'] / 2**20:7.1f} "
+          f"{row[f'cut_temp_bytes_{other.name}'] / 2**20:9.1f}", flush=True)
+  if args.topk:
+    import topk_bench  # pylint: disable=g-import-not-at-top  (benchmarks/ is on sys.path)
+    rows.append(dict(topk=topk_bench.run_rows(repeats=args.repeats)))
 
   os.makedirs(args.out, exist_ok=True)
   result = dict(

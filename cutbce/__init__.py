@@ -5,8 +5,11 @@ from cutbce.kernels.tiling import TilePlan, plan_tiles
 from cutbce.metrics import rank_metrics
 from cutbce.reference import dense_bce
 from cutbce.stats import Stats
+from cutbce.topk import top_k
+from cutbce.variants import LossOptions
 
 __all__ = [
-    "cut_bce", "dense_bce", "target_ranks", "rank_metrics", "Stats", "TilePlan", "plan_tiles",
+    "cut_bce", "dense_bce", "target_ranks", "top_k", "rank_metrics", "Stats", "TilePlan",
+    "plan_tiles", "LossOptions",
 ]
 __version__ = "0.1.0"

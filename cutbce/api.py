@@ -26,32 +26,55 @@ _LOG = logging.getLogger("cutbce")
 
 # Backend name -> module path of a kernel set honouring the contract written in
 # `cutbce/kernels/xla.py` (forward, backward, rank_counts, default_plan).
-# "dense" is the materializing reference and takes no kernel set.
+# "dense" is the materializing reference and takes no kernel set. "auto"
+# resolves (`resolve_backend`) to "pallas_tpu" on a TPU host, to the "auto"
+# kernel set (Pallas when lowered for TPU, XLA otherwise) where the Pallas
+# kernels take the inputs, and to "xla" where they do not.
 BACKENDS: types.MappingProxyType = types.MappingProxyType({
+    "auto": "cutbce.kernels.auto",
     "xla": "cutbce.kernels.xla",
     "pallas_tpu": "cutbce.kernels.tpu",
     "dense": None,
 })
-BACKEND_CHOICES = ("auto",) + tuple(BACKENDS)
+BACKEND_CHOICES = tuple(BACKENDS)
 
 
-def resolve_backend(backend: str, flat: inputs.Flat | None = None) -> str:
-  """Maps "auto" to a concrete backend name: Pallas on TPU, XLA elsewhere.
+def resolve_backend(backend: str, flat: inputs.Flat | None = None, plan=None) -> str:
+  """Maps "auto" to the backend that runs: Pallas on TPU, XLA elsewhere.
 
-  With `flat` inputs, "auto" picks Pallas only where its kernels take them
-  (dtype, shapes, a tile plan that fits VMEM), so it never picks a path that
-  would fail; an explicitly named backend that cannot take them raises
-  `NotImplementedError` (see `check_backend_supports`).
+  On a TPU host "auto" is "pallas_tpu". Elsewhere it is the "auto" kernel set,
+  which chooses when the program is lowered, so the same function runs the XLA
+  path on CPU/GPU and exports to the Pallas kernels for TPU. Either way, with
+  `flat` inputs Pallas is used only where its kernels take them (dtype,
+  shapes, a tile plan that fits VMEM, the given `plan`'s layout), so "auto"
+  never picks a path that would fail (it logs why, once, on a TPU); an
+  explicitly named backend that cannot take them raises `NotImplementedError`
+  (see `check_backend_supports`).
   """
   inputs.check_choice("backend", backend, BACKEND_CHOICES)
   if backend != "auto":
     return backend
-  if jax.default_backend() == "tpu" and _kernel_module_available("pallas_tpu"):
-    reason = None if flat is None else _unsupported_reason("pallas_tpu", flat)
-    if reason is None:
-      return "pallas_tpu"
+  if not _kernel_module_available("pallas_tpu"):
+    return "xla"
+  reason = None
+  if flat is not None:
+    reason = _unsupported_reason("pallas_tpu", flat, plan) or _plan_problem(flat, plan)
+  on_tpu = jax.default_backend() == "tpu"
+  if reason is None:
+    return "pallas_tpu" if on_tpu else "auto"
+  if on_tpu:
     _log_fallback(reason)
   return "xla"
+
+
+def _plan_problem(flat: inputs.Flat, plan) -> str | None:
+  """Why a user's `plan` cannot tile these inputs on the TPU kernels, or None."""
+  if plan is None:
+    return None
+  return kernel_module("pallas_tpu").plan_problem(
+      flat.hidden.shape[0], flat.table.shape[0], flat.table.shape[1],
+      jnp.result_type(flat.hidden.dtype, flat.table.dtype), plan,
+  )
 
 
 @functools.lru_cache(maxsize=64)
@@ -273,8 +296,10 @@ def cut_bce(
     return_stats: also return a `cutbce.Stats` of weighted confusion counts
       at logit > 0 (excluded ids count in none; a soft cap keeps the sign, so
       the threshold is the same on the capped logit).
-    backend: "auto" (Pallas on TPU, XLA elsewhere), "xla", "pallas_tpu"
-      (interpret mode off-TPU), or "dense" (the materializing reference).
+    backend: "auto" (Pallas on TPU, XLA elsewhere, chosen when the program
+      is lowered, so exporting for TPU from a CPU host gives the Pallas
+      kernels), "xla", "pallas_tpu" (Pallas' interpreter off-TPU), or
+      "dense" (the materializing reference).
     plan: optional `cutbce.TilePlan` overriding the tile sizes (default: each
       kernel plans for itself).
     num_items: the catalog size when the table has padding rows: rows at or
@@ -315,7 +340,7 @@ def cut_bce(
   )
   flat = inputs.flatten_inputs(hidden, table, targets, weights, bias, exclude)
   num_items = inputs.check_num_items(num_items, flat.table.shape[0])
-  backend = resolve_backend(backend, flat)
+  backend = resolve_backend(backend, flat, plan)
   if backend == "dense":
     return reference.dense_bce(
         hidden, table, targets, weights, bias=bias, exclude=exclude,
@@ -369,7 +394,7 @@ def target_ranks(hidden, table, targets, *, bias=None, exclude=None, backend="au
   options = variants.make_options(logit_soft_cap=logit_soft_cap)
   flat = inputs.flatten_inputs(hidden, table, targets, None, bias, exclude)
   num_items = inputs.check_num_items(num_items, flat.table.shape[0])
-  backend = resolve_backend(backend, flat)
+  backend = resolve_backend(backend, flat, plan)
   if backend == "dense":
     return reference.dense_target_ranks(hidden, table, targets, bias=bias, exclude=exclude,
                                         num_items=num_items, logit_soft_cap=logit_soft_cap)

@@ -34,6 +34,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 # The public keyword arguments of the variants, in signature order.
 OPTION_NAMES = ("pos_weight", "label_smoothing", "logit_soft_cap", "focal_gamma", "focal_alpha")
@@ -125,13 +126,17 @@ def elementwise_loss(options: LossOptions, x, label: int):
   """f(x, y) of the module docstring for a static label y in {0, 1}; float32 in, out.
 
   Written so that it is stable for every finite x and its derivative by
-  autodiff is too: softplus(x) and softplus(-x) share one log1p(e^-|x|), and
-  without smoothing the focal factor is exp(-g softplus(-+x)) (never 0^g).
+  autodiff is too, with few transcendentals per logit: one exp(-|x|) gives
+  softplus(x), softplus(-x) (sharing log1p(e^-|x|)) and sigmoid(x) (one
+  division); the focal base 1 - p_t = y' + (1 - 2y') p is linear in p, and an
+  integer exponent g is a product (`integer_pow`), never exp(g log .).
+  Without smoothing a non-integer g uses exp(-g softplus(-+x)) (never 0^g).
   """
   x = cap(options, x)
   smoothed = label * (1.0 - options.label_smoothing) + options.label_smoothing / 2
   weight = 1.0 if options.pos_weight is None else options.pos_weight
-  tail = jnp.log1p(jnp.exp(-jnp.abs(x)))
+  decay = jnp.exp(-jnp.abs(x))  # e^-|x| in (0, 1]
+  tail = jnp.log1p(decay)
   softplus_pos = jnp.maximum(x, 0.0) + tail  # -log(1 - p)
   softplus_neg = jnp.maximum(-x, 0.0) + tail  # -log(p)
   loss = 0.0
@@ -139,16 +144,20 @@ def elementwise_loss(options: LossOptions, x, label: int):
     loss = loss + weight * smoothed * softplus_neg
   if smoothed != 1.0:
     loss = loss + (1.0 - smoothed) * softplus_pos
-  if options.focal_gamma:
-    gamma = options.focal_gamma
-    if options.label_smoothing == 0.0:
-      # 1 - p_t is p for a negative and 1 - p for a positive.
-      log_one_minus_pt = -softplus_neg if label == 0 else -softplus_pos
+  gamma = options.focal_gamma
+  if gamma:
+    if float(gamma).is_integer() or options.label_smoothing:
+      p = jnp.where(x >= 0, 1.0, decay) / (1.0 + decay)  # sigmoid(x)
+      # 1 - p_t = y'(1 - p) + (1 - y') p, in [min(y', 1-y'), max(y', 1-y')].
+      base = smoothed + (1.0 - 2.0 * smoothed) * p
+      if float(gamma).is_integer():
+        factor = lax.integer_pow(base, int(gamma))
+      else:
+        factor = jnp.exp(gamma * jnp.log(base))  # smoothed: base > 0
     else:
-      # 1 - p_t = y'(1 - p) + (1 - y') p lies in [min(y', 1-y'), max(...)]: > 0.
-      p = jax.nn.sigmoid(x)
-      log_one_minus_pt = jnp.log(smoothed * (1.0 - p) + (1.0 - smoothed) * p)
-    loss = jnp.exp(gamma * log_one_minus_pt) * loss
+      # 1 - p_t is p for a negative and 1 - p for a positive.
+      factor = jnp.exp(-gamma * (softplus_neg if label == 0 else softplus_pos))
+    loss = factor * loss
   if options.focal_alpha is not None:
     alpha = options.focal_alpha
     loss = (smoothed * alpha + (1.0 - smoothed) * (1.0 - alpha)) * loss

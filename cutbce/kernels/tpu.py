@@ -1,10 +1,16 @@
 """Pallas TPU (Mosaic) kernels: logit tiles live only in VMEM, in both passes.
 
 Honours the backend contract written in `cutbce/kernels/xla.py` (forward,
-backward, rank_counts, default_plan) on flattened `[T, D]` tokens. Off a TPU
-every kernel runs in TPU interpret mode, which simulates VMEM and the DMA
-pipeline on CPU (and fills out-of-bounds reads with NaN, so a missing mask
-shows up in tests); on a TPU they are compiled by Mosaic.
+backward, rank_counts, default_plan) on flattened `[T, D]` tokens. How a
+kernel runs is chosen when the program is lowered (`_run`): lowered for a
+TPU it is compiled by Mosaic, lowered for any other platform it runs in
+Pallas' interpreter (which fills out-of-bounds block reads with NaN, so a
+missing mask shows up in tests). So one traced function runs on a CPU host
+and exports for TPU (`jax.export.export(jax.jit(f), platforms=("tpu",))`)
+with nothing else to set. Inside `tpu_interpret_mode()` (the kernel tests)
+an off-TPU trace instead runs in TPU interpret mode, which also simulates
+VMEM and the DMA pipeline; that trace cannot be exported for TPU, and inside
+a `shard_map` over several devices it is not used (see `_run`).
 
 The grids, block shapes, VMEM accounting and matmul counts are written down
 in docs/kernels.md. In short: the token side is cut into chunks held in VMEM
@@ -50,30 +56,63 @@ MAX_RANK_TARGETS = tiling.LANES
 NT_DIMS = (((1,), (1,)), ((), ()))  # [M, K] x [N, K] -> [M, N]
 
 
-_COMPILED_FOR_TPU = threading.local()
+_TPU_INTERPRET = threading.local()
 
 
 @contextlib.contextmanager
-def compiled_for_tpu():
-  """Traces the kernels for Mosaic even off a TPU (interpret mode off).
+def tpu_interpret_mode(enabled: bool = True):
+  """Off a TPU, traces the kernels in TPU interpret mode (`pltpu.InterpretParams()`).
 
-  For exporting or lowering to the TPU platform from a CPU host, e.g.
-  `jax.export.export(jax.jit(f), platforms=("tpu",))`; running such a trace
-  on CPU fails.
+  TPU interpret mode simulates VMEM, the DMA pipeline and Mosaic's
+  semantics on CPU, closer to a TPU than Pallas' generic interpreter, which
+  kernels use by default off a TPU. A function traced inside this context
+  runs only off a TPU (it cannot be exported for TPU).
   """
-  previous = getattr(_COMPILED_FOR_TPU, "on", False)
-  _COMPILED_FOR_TPU.on = True
+  previous = getattr(_TPU_INTERPRET, "on", False)
+  _TPU_INTERPRET.on = enabled
   try:
     yield
   finally:
-    _COMPILED_FOR_TPU.on = previous
+    _TPU_INTERPRET.on = previous
 
 
-def _interpret():
-  """Compiled on a TPU (or inside `compiled_for_tpu`), TPU interpret mode elsewhere."""
-  if jax.default_backend() == "tpu" or getattr(_COMPILED_FOR_TPU, "on", False):
-    return False
-  return pltpu.InterpretParams()
+def _manual_devices() -> int:
+  """Devices of the `jax.shard_map` being traced (1 outside any shard_map)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  size = 1
+  for axis in getattr(mesh, "manual_axes", ()):
+    size *= mesh.shape[axis]
+  return size
+
+
+def _run(impl, *operands, **static):
+  """`impl(*operands, interpret=..., **static)`, compiled or interpreted by platform.
+
+  On a TPU: compiled. Elsewhere: a `lax.platform_dependent` resolved when the
+  program is lowered (both calls are traced, only the lowering platform's is
+  lowered): Mosaic for TPU, Pallas' generic interpreter (`interpret=True`,
+  no host callbacks, no effects) for anything else. Inside
+  `tpu_interpret_mode()` and outside a multi-device `shard_map`, TPU
+  interpret mode instead: it runs every grid step as host callbacks, and on
+  several simulated CPU devices those deadlock (the CPU client copies a
+  callback's argument of 100 KiB or more on the thread pool that runs the
+  devices, which all wait at the interpreter's per-call barrier; see
+  docs/kernels.md). None operands (an absent bias) stay out of the branches.
+  """
+  if jax.default_backend() == "tpu":
+    return impl(*operands, interpret=False, **static)
+  if getattr(_TPU_INTERPRET, "on", False) and _manual_devices() == 1:
+    return impl(*operands, interpret=pltpu.InterpretParams(), **static)
+  present = [x for x in operands if x is not None]
+
+  def branch(interpret):
+    def call(*arrays):
+      arrays = iter(arrays)
+      return impl(*(None if x is None else next(arrays) for x in operands),
+                  interpret=interpret, **static)
+    return call
+
+  return lax.platform_dependent(*present, tpu=branch(False), default=branch(True))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -105,6 +144,18 @@ def unsupported_reason(num_tokens, vocab, dim, hidden_dtype, table_dtype, plan=N
         tiling.plan_tiles(num_tokens, vocab, dim, dtype, kernel=kernel)
       except ValueError as error:
         return str(error)
+  return None
+
+
+def plan_problem(num_tokens, vocab, dim, dtype, plan: TilePlan) -> str | None:
+  """Why `plan` cannot tile these shapes on the three kernels (layout, VMEM), or None."""
+  hidden = jax.ShapeDtypeStruct((num_tokens, dim), dtype)
+  table = jax.ShapeDtypeStruct((vocab, dim), dtype)
+  for kernel in ("forward", "backward", "ranks"):
+    try:
+      _geometry(plan, hidden, table, kernel)
+    except (ValueError, NotImplementedError) as error:
+      return str(error)
   return None
 
 
@@ -355,6 +406,11 @@ def _token_index_map(chunk, tile):
 def forward(hidden, table, bias, *, plan: TilePlan | None, with_counts: bool,
             options: LossOptions = variants.PLAIN, num_items: int | None = None):
   """sum_v phi(x_tv) `[T]` f32 and #{x_tv > 0} `[T]` int32 (or None)."""
+  return _run(_forward, hidden, table, bias, plan=plan, with_counts=with_counts,
+              options=options, num_items=num_items)
+
+
+def _forward(hidden, table, bias, *, plan, with_counts, options, num_items, interpret):
   _check_supported(hidden, table, plan)
   hidden, table = _common_dtype(hidden, table)
   geom = _geometry(plan, hidden, table, "forward", num_items=num_items, options=options)
@@ -382,7 +438,7 @@ def forward(hidden, table, bias, *, plan: TilePlan | None, with_counts: bool,
           bytes_accessed=geom.num_chunks * table.size * table.dtype.itemsize
           + hidden.size * hidden.dtype.itemsize,
       ),
-      interpret=_interpret(),
+      interpret=interpret,
       name=f"cutbce_forward_bt{geom.block_t}_bv{geom.block_v}_chunk{geom.chunk}",
   )(*operands)
   softplus_sum = outputs[0][:, 0]
@@ -458,6 +514,12 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
 def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePlan | None,
              options: LossOptions = variants.PLAIN, num_items: int | None = None):
   """dh `[T, D]` f32; `table_grad` (+ dense part) `[V, D]` f32; `bias_grad` `[V]` or None."""
+  return _run(_backward, hidden, table, bias, scale, table_grad, bias_grad, plan=plan,
+              options=options, num_items=num_items)
+
+
+def _backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, num_items,
+              interpret):
   _check_supported(hidden, table, plan)
   hidden, table = _common_dtype(hidden, table)
   geom = _geometry(plan, hidden, table, "backward", num_items=num_items, options=options)
@@ -468,11 +530,11 @@ def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePla
   table_grad = table_grad.astype(jnp.float32)
   bias_row = bias.astype(jnp.float32).reshape(1, vocab) if has_bias else None
   bias_grad_row = bias_grad.astype(jnp.float32).reshape(1, vocab) if has_bias else None
-  # TPU interpret mode in this jax returns an aliased output at its padded
-  # shape when the block does not divide it; there (and only there) the
-  # ragged case takes the gradient through a fresh output instead. Same
-  # kernel, same numerics; compiled on a TPU the update is always in place.
-  alias = not (_interpret() and vocab % geom.block_v)
+  # Interpret mode in this jax returns an aliased output at its padded shape
+  # when the block does not divide it; there (and only there) the ragged
+  # case takes the gradient through a fresh output instead. Same kernel,
+  # same numerics; compiled on a TPU the update is always in place.
+  alias = not (interpret is not False and vocab % geom.block_v)
   walked_rows = geom.num_vocab_tiles * geom.block_v  # rows past it: never visited
   given_table_grad, given_bias_grad = table_grad, bias_grad_row
   hidden_grads = []
@@ -527,7 +589,7 @@ def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePla
             bytes_accessed=table.size * table.dtype.itemsize + 2 * table_grad.size * 4
             + rows_in_chunk * dim * (hidden.dtype.itemsize + 4),
         ),
-        interpret=_interpret(),
+        interpret=interpret,
         name=f"cutbce_backward_bt{geom.block_t}_bv{geom.block_v}_chunk{geom.chunk}",
     )(*operands)
     hidden_grads.append(outputs[0])
@@ -597,21 +659,23 @@ def _rank_kernel(*refs, geom: _Geometry, has_bias: bool, num_targets: int,
 def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePlan | None,
                 options: LossOptions = variants.PLAIN, num_items: int | None = None):
   """`[T, L]` int32 #{v != target_ids[t, l] : cap(x_tv) > target_logits[t, l]}."""
+  num_targets = target_logits.shape[1]
+  # Groups of at most MAX_RANK_TARGETS targets, one kernel call each.
+  groups = [
+      _run(_rank_counts, hidden, table, bias, target_logits[:, start:start + MAX_RANK_TARGETS],
+           target_ids[:, start:start + MAX_RANK_TARGETS], plan=plan, options=options,
+           num_items=num_items)
+      for start in range(0, num_targets, MAX_RANK_TARGETS)
+  ]
+  return groups[0] if len(groups) == 1 else jnp.concatenate(groups, axis=1)
+
+
+def _rank_counts(hidden, table, bias, target_logits, target_ids, *, plan, options, num_items,
+                 interpret):
   _check_supported(hidden, table, plan)
   hidden, table = _common_dtype(hidden, table)
   num_tokens, dim = hidden.shape
   num_targets = target_logits.shape[1]
-  if num_targets > MAX_RANK_TARGETS:
-    # Groups of at most MAX_RANK_TARGETS targets, one kernel call each.
-    groups = [
-        rank_counts(
-            hidden, table, bias, target_logits[:, start:start + MAX_RANK_TARGETS],
-            target_ids[:, start:start + MAX_RANK_TARGETS], plan=plan, options=options,
-            num_items=num_items,
-        )
-        for start in range(0, num_targets, MAX_RANK_TARGETS)
-    ]
-    return jnp.concatenate(groups, axis=1)
   geom = _geometry(plan, hidden, table, "ranks", num_targets, num_items=num_items)
   has_bias = bias is not None
   in_specs, operands = _token_by_vocab_inputs(geom, hidden, table, bias)
@@ -633,6 +697,6 @@ def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePla
           bytes_accessed=geom.num_chunks * table.size * table.dtype.itemsize
           + hidden.size * hidden.dtype.itemsize,
       ),
-      interpret=_interpret(),
+      interpret=interpret,
       name=f"cutbce_ranks_bt{geom.block_t}_bv{geom.block_v}_chunk{geom.chunk}",
   )(*operands)

@@ -50,19 +50,37 @@ def tile_logits(hidden, table_tile, bias_tile):
   return logits
 
 
-def _walk_tiles(vocab: int, block_v: int, step, carry):
-  """Runs `step(carry, start, size)` over all tiles: a scan, then the tail."""
+def walk_tiles(vocab: int, block_v: int, step, carry, rows=()):
+  """Runs `step(carry, rows, start, size)` over all tiles: a scan, then the tail.
+
+  `rows` are the `[V, ...]` arrays the step slices (table, bias). Those not in
+  float32 ride in the scan carry behind an optimization barrier: XLA:CPU
+  computes every bf16 op but dots in float32, converting the slice's whole
+  operand, and would hoist that convert of a loop-invariant table out of the
+  loop (a float32 copy of the table for the whole scan). Carried, the table is
+  not invariant, the convert stays in the loop and fuses into the slice of
+  one tile. float32 arrays are closed over as before (the same program).
+  """
   block_v = min(block_v, vocab)
   num_full = vocab // block_v
+  narrow = tuple(x is not None and x.dtype != jnp.float32 for x in rows)
 
-  def body(carry, index):
-    return step(carry, index * block_v, block_v), None
+  def pick(carried):
+    return tuple(c if n else x for x, c, n in zip(rows, carried, narrow))
+
+  def body(state, index):
+    carry, carried = state
+    if any(narrow):
+      carried = lax.optimization_barrier(carried)
+    carry = step(carry, pick(carried), index * block_v, block_v)
+    return (carry, carried), None
 
   if num_full:
-    carry, _ = lax.scan(body, carry, jnp.arange(num_full, dtype=jnp.int32))
+    carried = tuple(x if n else None for x, n in zip(rows, narrow))
+    (carry, _), _ = lax.scan(body, (carry, carried), jnp.arange(num_full, dtype=jnp.int32))
   tail = vocab - num_full * block_v
   if tail:
-    carry = step(carry, num_full * block_v, tail)
+    carry = step(carry, rows, num_full * block_v, tail)
   return carry
 
 
@@ -94,7 +112,8 @@ def forward(hidden, table, bias, *, plan: TilePlan | None, with_counts: bool,
   num_items = table.shape[0] if num_items is None else num_items
   plan = _plan(plan, "forward", hidden, num_items)
 
-  def step(carry, start, size):
+  def step(carry, rows, start, size):
+    table, bias = rows
     dense_sum, positive_count = carry
     logits = tile_logits(
         hidden, _slice_rows(table, start, size), _slice_rows(bias, start, size)
@@ -108,7 +127,7 @@ def forward(hidden, table, bias, *, plan: TilePlan | None, with_counts: bool,
       jnp.zeros((num_tokens,), jnp.float32),
       jnp.zeros((num_tokens,), jnp.int32) if with_counts else None,
   )
-  return _walk_tiles(num_items, plan.block_v, step, init)
+  return walk_tiles(num_items, plan.block_v, step, init, (table, bias))
 
 
 @functools.partial(jax.named_call, name="cutbce_xla_backward")
@@ -118,7 +137,8 @@ def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePla
   num_items = table.shape[0] if num_items is None else num_items
   plan = _plan(plan, "backward", hidden, num_items)
 
-  def step(carry, start, size):
+  def step(carry, rows, start, size):
+    table, bias = rows
     hidden_grad, table_grad, bias_grad = carry
     table_tile = _slice_rows(table, start, size)  # [block_v, D]
     logits = tile_logits(hidden, table_tile, _slice_rows(bias, start, size))
@@ -146,7 +166,7 @@ def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePla
     return hidden_grad, table_grad, bias_grad
 
   init = (jnp.zeros(hidden.shape, jnp.float32), table_grad, bias_grad)
-  return _walk_tiles(num_items, plan.block_v, step, init)
+  return walk_tiles(num_items, plan.block_v, step, init, (table, bias))
 
 
 @functools.partial(jax.named_call, name="cutbce_xla_rank_counts")
@@ -155,7 +175,8 @@ def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePla
   num_items = table.shape[0] if num_items is None else num_items
   plan = _plan(plan, "ranks", hidden, num_items, target_logits.shape[1])
 
-  def step(counts, start, size):
+  def step(counts, rows, start, size):
+    table, bias = rows
     logits = variants.cap(options, tile_logits(
         hidden, _slice_rows(table, start, size), _slice_rows(bias, start, size)
     ))  # [T, block_v]
@@ -167,7 +188,7 @@ def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePla
     return counts + jnp.sum(larger & other, axis=1, dtype=jnp.int32)
 
   init = jnp.zeros(target_logits.shape, jnp.int32)
-  return _walk_tiles(num_items, plan.block_v, step, init)
+  return walk_tiles(num_items, plan.block_v, step, init, (table, bias))
 
 
 def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,

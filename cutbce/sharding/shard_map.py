@@ -267,7 +267,7 @@ def sharded_cut_bce(
   )
   flat = inputs.flatten_inputs(hidden, table, targets, weights, bias, exclude)
   num_items = inputs.check_num_items(num_items, flat.table.shape[0])
-  backend = api.resolve_backend(backend, flat)
+  backend = api.resolve_backend(backend, flat, plan)
   layout = layout_lib.make_layout(
       mesh, token_axes, vocab_axis, hidden_shape=jnp.shape(hidden), table=table,
       num_items=num_items,
@@ -320,7 +320,7 @@ def sharded_target_ranks(
   options = variants.make_options(logit_soft_cap=logit_soft_cap)
   flat = inputs.flatten_inputs(hidden, table, targets, None, bias, exclude)
   num_items = inputs.check_num_items(num_items, flat.table.shape[0])
-  backend = api.resolve_backend(backend, flat)
+  backend = api.resolve_backend(backend, flat, plan)
   layout = layout_lib.make_layout(
       mesh, token_axes, vocab_axis, hidden_shape=jnp.shape(hidden), table=table,
       num_items=num_items,

@@ -232,9 +232,19 @@ def test_no_token_by_vocab_array_in_forward_or_backward(use_bias, use_exclude, r
   assert max(_intermediate_sizes(dense.jaxpr)) >= tokens * vocab  # the check can fail
 
 
-def test_auto_backend_is_xla_off_tpu():
+def test_auto_backend_runs_the_xla_path_off_tpu():
   assert jax.default_backend() != "tpu"
-  assert api.resolve_backend("auto") == "xla"
+  assert api.resolve_backend("auto") == "auto"  # chosen when lowered
+  case = CASES["ragged_v1003"]
+  data = make_case(case)
+  args = (jnp.asarray(data["hidden"], jnp.float32), jnp.asarray(data["table"], jnp.float32))
+  loss = lambda backend: jax.jit(jax.value_and_grad(  # noqa: E731
+      lambda h, e: cutbce.cut_bce(h, e, data["targets"], backend=backend), argnums=(0, 1)))
+  (value, grads), (want, want_grads) = loss("auto")(*args), loss("xla")(*args)
+  assert float(value) == float(want)
+  for got, ref in zip(grads, want_grads):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+  assert "tpu_custom_call" not in loss("auto").lower(*args).as_text()
 
 
 # ---------------------------------------------------------------- bad input --

@@ -122,7 +122,6 @@ def test_yambda_train_step_exports_for_tpu():
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from configs import yambda50m_v6e8  # pylint: disable=import-outside-toplevel
-  from cutbce.kernels import tpu  # pylint: disable=import-outside-toplevel
   from trainer import config_checks  # pylint: disable=import-outside-toplevel
   config = yambda50m_v6e8.get_config()
   config.loss.backend = "pallas_tpu"
@@ -150,9 +149,8 @@ def test_yambda_train_step_exports_for_tpu():
       "targets": jax.ShapeDtypeStruct((b, n, l), jnp.int32, sharding=batch_sharding),
       "weights": jax.ShapeDtypeStruct((b, n), jnp.float32, sharding=batch_sharding),
   }
-  with tpu.compiled_for_tpu():
-    exported = jax.export.export(step, platforms=("tpu",))(
-        train_lib.abstract_state(abstract, shardings), batch)
+  exported = jax.export.export(step, platforms=("tpu",))(
+      train_lib.abstract_state(abstract, shardings), batch)
   assert exported.platforms == ("tpu",)
   assert "tpu_custom_call" in exported.mlir_module()
 

@@ -20,6 +20,13 @@ from cutbce.kernels import tiling, tpu, xla
 from cutbce.kernels.tiling import TilePlan
 
 MIB = 1024 * 1024
+
+
+@pytest.fixture(autouse=True)
+def _tpu_interpret_mode():
+  """Kernel numerics in TPU interpret mode (simulated VMEM and DMA pipeline)."""
+  with tpu.tpu_interpret_mode():
+    yield
 # T = 3 x 13 = 39 tokens in chunks of 16 (16, 16, 7) walked in 8-row tiles;
 # V = 517 in 128-row tiles (the last one ragged).
 F32_PLAN = TilePlan(block_v=128, block_t=8, token_chunk=16, vmem_limit_bytes=64 * MIB)
@@ -188,7 +195,7 @@ def test_auto_picks_pallas_only_on_tpu_and_only_where_supported(monkeypatch):
   targets = jnp.zeros((4, 1), jnp.int32)
   flat = cutbce.inputs.flatten_inputs(hidden, jnp.ones((10, 8), jnp.float32), targets)
   mixed = cutbce.inputs.flatten_inputs(hidden, jnp.ones((10, 8), jnp.bfloat16), targets)
-  assert api.resolve_backend("auto", flat) == "xla"  # not a TPU here
+  assert api.resolve_backend("auto", flat) == "auto"  # chosen when lowered: XLA on CPU
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   monkeypatch.setattr(tiling, "chip_spec", lambda chip=None: tiling._FALLBACK_CHIPS["v5e"])
   assert api.resolve_backend("auto", flat) == "pallas_tpu"
@@ -200,6 +207,8 @@ def test_auto_picks_pallas_only_on_tpu_and_only_where_supported(monkeypatch):
   huge = cutbce.inputs.flatten_inputs(
       jnp.ones((4, wide), jnp.float32), jnp.ones((10, wide), jnp.float32), targets)
   assert api.resolve_backend("auto", huge) == "xla"  # no tile plan fits VMEM
+  bad_plan = TilePlan(block_v=100)  # no legal TPU layout: "auto" keeps to XLA
+  assert api.resolve_backend("auto", flat, bad_plan) == "xla"
 
 
 def test_bad_plans_raise_value_error():
@@ -244,7 +253,7 @@ def test_lowers_for_tpu_at_the_paper_shape_without_large_temporaries(chip):
       jax.ShapeDtypeStruct((batch, length, num_targets), jnp.int32),
   )
   bound = 2 * max(vocab * dim, tokens * dim)
-  with tpu.compiled_for_tpu():
+  with tpu.tpu_interpret_mode(False):  # plain export, as a user would write it
     for fn in (jax.value_and_grad(loss, argnums=(0, 1)), ranks):
       exported = jax.export.export(jax.jit(fn), platforms=("tpu",))(*specs)
       text = exported.mlir_module()
@@ -253,3 +262,35 @@ def test_lowers_for_tpu_at_the_paper_shape_without_large_temporaries(chip):
       assert size <= bound, f"{tensor} has {size} elements > {bound}"
       if fn is not ranks:
         assert size >= vocab * dim  # the parse sees the [V, D] gradient
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "auto"])
+def test_same_function_runs_on_cpu_and_exports_for_tpu(backend):
+  raw = make_inputs((2, 9), 300, 16, num_targets=3, num_exclude=2, seed=5)
+  args = (jnp.asarray(raw["hidden"], jnp.float32), jnp.asarray(raw["table"], jnp.float32),
+          jnp.asarray(raw["targets"]))
+
+  def step(hidden, table, targets):
+    loss, grads = jax.value_and_grad(
+        lambda h, e: cutbce.cut_bce(h, e, targets, label_smoothing=0.1), argnums=(0, 1))(
+            hidden, table)
+    return loss, grads, cutbce.target_ranks(hidden, table, targets, backend=backend)
+
+  fn = jax.jit(lambda h, e, t: step(h, e, t) if backend == "auto" else (
+      jax.value_and_grad(lambda h, e: cutbce.cut_bce(h, e, t, backend=backend,
+                                                     label_smoothing=0.1), argnums=(0, 1))(h, e)
+      + (cutbce.target_ranks(h, e, t, backend=backend),)))
+  with tpu.tpu_interpret_mode(False):
+    loss, (dh, de), ranks = fn(*args)
+    cpu_text = fn.lower(*args).as_text()
+    exported = jax.export.export(fn, platforms=("tpu",))(*args)
+  want_loss, (want_dh, want_de) = jax.value_and_grad(
+      lambda h, e: cutbce.cut_bce(h, e, args[2], backend="xla", label_smoothing=0.1),
+      argnums=(0, 1))(*args[:2])
+  np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(de), np.asarray(want_de), rtol=1e-5, atol=1e-8)
+  np.testing.assert_array_equal(
+      np.asarray(ranks), np.asarray(cutbce.target_ranks(*args, backend="xla")))
+  text = exported.mlir_module()
+  assert text.count("tpu_custom_call") >= 3  # forward, backward, ranks: Mosaic kernels
+  assert "tpu_custom_call" not in cpu_text  # the CPU program holds no Mosaic kernel
