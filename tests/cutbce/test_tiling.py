@@ -95,3 +95,26 @@ def test_plan_is_a_static_hashable_value():
   assert hash(plan) == hash(TilePlan(block_v=plan.block_v, block_t=plan.block_t,
                                      token_chunk=plan.token_chunk,
                                      vmem_limit_bytes=plan.vmem_limit_bytes))
+
+
+def test_each_kernel_plans_for_itself():
+  # A training call is not sized for the rank kernel's 128-lane target blocks.
+  tokens, vocab, dim = 65_536, 876_939, 256
+  shared = tiling.plan_tiles(tokens, vocab, dim, "bfloat16", chip="v5e")
+  forward = tiling.plan_tiles(tokens, vocab, dim, "bfloat16", chip="v5e", kernel="forward")
+  ranks = tiling.plan_tiles(tokens, vocab, dim, "bfloat16", chip="v5e", kernel="ranks",
+                            num_targets=8)
+  assert forward.token_chunk >= shared.token_chunk
+  assert ranks.token_chunk >= shared.token_chunk
+  assert max(forward.token_chunk, ranks.token_chunk) > shared.token_chunk
+  budget = tiling.vmem_budget(tiling.chip_spec("v5e"))
+  assert tiling.plan_vmem_bytes(forward, dim, 2, kernels=("forward",)) <= budget
+  with pytest.raises(ValueError, match="kernel must be one of"):
+    tiling.plan_tiles(tokens, vocab, dim, "bfloat16", kernel="sideways")
+
+
+def test_xla_tile_depends_on_the_platform():
+  cpu = tiling.default_xla_block_v(2048, 10_000_000, platform="cpu")
+  gpu = tiling.default_xla_block_v(2048, 10_000_000, platform="gpu")
+  assert cpu == 256 and gpu == 4096
+  assert tiling.default_xla_block_v(2048, 1000, platform="tpu") == 1000

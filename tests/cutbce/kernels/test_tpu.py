@@ -294,3 +294,16 @@ def test_same_function_runs_on_cpu_and_exports_for_tpu(backend):
   text = exported.mlir_module()
   assert text.count("tpu_custom_call") >= 3  # forward, backward, ranks: Mosaic kernels
   assert "tpu_custom_call" not in cpu_text  # the CPU program holds no Mosaic kernel
+
+
+def test_auto_falls_back_on_a_tpu_with_one_log_line(monkeypatch, caplog):
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  monkeypatch.setattr(tiling, "chip_spec", lambda chip=None: tiling._FALLBACK_CHIPS["v5e"])
+  api._log_fallback.cache_clear()
+  half = cutbce.inputs.flatten_inputs(
+      jnp.ones((4, 8), jnp.float16), jnp.ones((10, 8), jnp.float16), jnp.zeros((4, 1), jnp.int32))
+  with caplog.at_level("WARNING", logger="cutbce"):
+    for _ in range(3):
+      assert api.resolve_backend("auto", half) == "xla"
+  lines = [r.getMessage() for r in caplog.records if r.name == "cutbce"]
+  assert len(lines) == 1 and "float16" in lines[0], lines
