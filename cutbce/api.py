@@ -18,8 +18,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cutbce import inputs, reference, sparse, variants
+from cutbce import inputs, reference, sparse, tiled, variants
 from cutbce.kernels.tiling import TilePlan
+from cutbce.tiled import TiledCall
 from cutbce.variants import LossOptions
 
 _LOG = logging.getLogger("cutbce")
@@ -119,139 +120,6 @@ def kernel_module(name: str):
   return importlib.import_module(BACKENDS[name])
 
 
-# --------------------------------------------------------------------------- #
-# The tiled loss: per-token l_t with a custom VJP. Weights and reductions are  #
-# applied outside by plain JAX, so the cotangent reaching `_bwd` is g_t.       #
-# --------------------------------------------------------------------------- #
-
-
-class TiledCall(NamedTuple):
-  """Everything static one tiled call is traced with (hashable).
-
-  Attributes:
-    backend: a tiled backend name ("xla", "pallas_tpu").
-    plan: a `TilePlan`, or None for each kernel's own plan.
-    with_counts: also return per-token confusion counts.
-    options: the loss variants.
-    num_items: the table's rows that are items (a static int <= V).
-  """
-
-  backend: str
-  plan: TilePlan | None
-  with_counts: bool
-  options: LossOptions
-  num_items: int
-
-
-def _item_sums(table, bias, num_items: int):
-  """(sum_{v < num_items} e_v `[D]` f32, sum_{v < num_items} b_v f32 or 0)."""
-  items = table if num_items == table.shape[0] else table[:num_items]
-  table_sum = jnp.sum(items.astype(jnp.float32), axis=0)
-  bias_sum = 0.0
-  if bias is not None:
-    bias_sum = jnp.sum(bias[:num_items].astype(jnp.float32))
-  return table_sum, bias_sum
-
-
-def tiled_forward(call: TiledCall, hidden, table, bias, ids, counted_items=None):
-  """Per-token losses of one tiled backend on flat inputs, no custom VJP.
-
-  l_t = A sum_v phi(x_tv) - B sum_v x_tv + corrections, with (A, B) the
-  affine coefficients of the variant (`LossOptions.affine_coefficients`):
-  the linear sum is h_t . sum_v e_v + sum_v b_v, O(D) per position.
-
-  Args:
-    call: the static `TiledCall`.
-    hidden: `[T, D]`; table: `[V, D]`; bias: `[V]` or None.
-    ids: `sparse.SparseIds` into `table`'s rows.
-    counted_items: items counted as negatives by the counts (default
-      `call.num_items`; a shard of a padded table passes its number of real
-      rows, a traced value).
-
-  Returns:
-    (`[T]` float32 l_t, `sparse.TokenCounts` or None).
-  """
-  kernels = kernel_module(call.backend)
-  dense_sum, positive_count = kernels.forward(
-      hidden, table, bias, plan=call.plan, with_counts=call.with_counts,
-      options=call.options, num_items=call.num_items,
-  )
-  scale, slope = call.options.affine_coefficients()
-  per_token = dense_sum if scale == 1.0 else scale * dense_sum
-  if slope:
-    table_sum, bias_sum = _item_sums(table, bias, call.num_items)
-    linear = jnp.dot(hidden.astype(jnp.float32), table_sum) + bias_sum  # [T]
-    per_token = per_token - slope * linear
-  logits = sparse.sparse_logits(hidden, table, bias, ids)
-  per_token = per_token + sparse.loss_correction(ids, logits, call.options)
-  counts = None
-  if call.with_counts:
-    counted = call.num_items if counted_items is None else counted_items
-    counts = sparse.token_counts(ids, logits, positive_count, counted)
-  return per_token, counts
-
-
-def tiled_backward(call: TiledCall, hidden, table, bias, ids, scale):
-  """Gradients of sum_t scale_t l_t on flat inputs, all float32.
-
-  Returns:
-    (dh `[T, D]`, dE `[V, D]`, db `[V]` or None), float32, not yet cast to
-    the input dtypes (a sharded caller sums them across devices first). Rows
-    past `call.num_items` get exactly zero.
-  """
-  logits = sparse.sparse_logits(hidden, table, bias, ids)
-  all_ids, coefficients = sparse.logit_cotangents(ids, logits, scale, call.options)
-  hidden_grad, table_grad, bias_grad = sparse.sparse_grads(
-      hidden, table, bias is not None, all_ids, coefficients
-  )
-  affine_scale, slope = call.options.affine_coefficients()
-  dense_scale = scale if affine_scale == 1.0 else affine_scale * scale
-  dense_hidden_grad, table_grad, bias_grad = kernel_module(call.backend).backward(
-      hidden, table, bias, dense_scale, table_grad, bias_grad, plan=call.plan,
-      options=call.options, num_items=call.num_items,
-  )
-  hidden_grad = hidden_grad + dense_hidden_grad
-  if slope:
-    # d/dh_t of -B g_t (h_t . sum_v e_v) and d/de_v of -B sum_t g_t h_t . e_v.
-    table_sum, _ = _item_sums(table, None, call.num_items)
-    hidden_grad = hidden_grad - slope * scale[:, None] * table_sum[None, :]
-    item_rows = jnp.arange(table.shape[0]) < call.num_items  # [V]
-    weighted_hidden = jnp.dot(scale, hidden.astype(jnp.float32))  # [D]
-    table_grad = table_grad - slope * jnp.where(item_rows[:, None], weighted_hidden, 0.0)
-    if bias_grad is not None:
-      bias_grad = bias_grad - slope * jnp.where(item_rows, jnp.sum(scale), 0.0)
-  return hidden_grad, table_grad, bias_grad
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tiled_loss(call: TiledCall, hidden, table, bias, ids):
-  """`[T]` float32 losses l_t (and per-token counts) of one tiled backend."""
-  return tiled_forward(call, hidden, table, bias, ids)
-
-
-def _tiled_loss_fwd(call: TiledCall, hidden, table, bias, ids):
-  # Residuals are the inputs only; the backward recomputes every logit tile.
-  out = _tiled_loss(call, hidden, table, bias, ids)
-  return out, (hidden, table, bias, ids)
-
-
-def _tiled_loss_bwd(call: TiledCall, residuals, cotangents):
-  hidden, table, bias, ids = residuals
-  scale = cotangents[0].astype(jnp.float32)  # g_t, [T]; counts get none.
-  hidden_grad, table_grad, bias_grad = tiled_backward(
-      call, hidden, table, bias, ids, scale
-  )
-  hidden_grad = hidden_grad.astype(hidden.dtype)
-  table_grad = table_grad.astype(table.dtype)
-  if bias is not None:
-    bias_grad = bias_grad.astype(bias.dtype)
-  # Ids get no cotangent (None = zero for every leaf).
-  return hidden_grad, table_grad, bias_grad, None
-
-
-_tiled_loss.defvjp(_tiled_loss_fwd, _tiled_loss_bwd)
-
-
 def default_plan(backend: str, kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
                  num_targets: int = 1) -> TilePlan:
   """The tiled backend's own plan of one kernel ("forward", "backward", "ranks")."""
@@ -264,7 +132,7 @@ def cut_bce(
     hidden, table, targets, weights=None, *, bias=None, exclude=None,
     reduction="mean", vocab_reduction="mean", return_stats=False,
     backend="auto", plan=None, num_items=None, pos_weight=None, label_smoothing=0.0,
-    logit_soft_cap=None, focal_gamma=None, focal_alpha=None,
+    logit_soft_cap=None, focal_gamma=None, focal_alpha=None, one_pass=None,
 ):
   """Multi-label binary cross-entropy over the whole catalog, without `[T, V]` logits.
 
@@ -310,6 +178,14 @@ def cut_bce(
     logit_soft_cap: c > 0: every logit becomes c tanh(x / c) first.
     focal_gamma, focal_alpha: binary focal loss a_t (1 - p_t)^g BCE (Keras'
       `binary_focal_crossentropy`; a_t only when `focal_alpha` is given).
+    one_pass: differentiate in one sweep of the vocabulary (None: yes for
+      reduction "mean" and "sum", where every position's cotangent is known
+      at forward time up to one scalar). The forward then also makes the
+      gradients (3 GEMMs per tile, against 4 for forward + backward) and keeps
+      a float32 `[V, D]` dE (and dh, db) alive until the backward. False:
+      two passes, residuals are the inputs only (the smallest memory between
+      forward and backward). True with reduction="none" is a ValueError.
+      Tiled backends only; the value is the same either way.
 
   Returns:
     float32 loss: a scalar, or `[...]` for reduction="none"; with
@@ -340,6 +216,7 @@ def cut_bce(
   )
   flat = inputs.flatten_inputs(hidden, table, targets, weights, bias, exclude)
   num_items = inputs.check_num_items(num_items, flat.table.shape[0])
+  use_one_pass(one_pass, reduction)  # checked for every backend
   backend = resolve_backend(backend, flat, plan)
   if backend == "dense":
     return reference.dense_bce(
@@ -350,11 +227,32 @@ def cut_bce(
   check_backend_supports(backend, flat, plan)
   ids = sparse.prepare_ids(flat.targets, flat.exclude, num_items)
   call = TiledCall(backend, plan, bool(return_stats), options, num_items)
-  per_token, counts = _tiled_loss(call, flat.hidden, flat.table, flat.bias, ids)
-  loss = inputs.reduce_losses(per_token, flat, reduction, vocab_reduction, num_items)
+  if use_one_pass(one_pass, reduction):
+    divisor = num_items if vocab_reduction == "mean" else 1
+    loss, counts = tiled.reduced_loss(
+        call, tiled.Reduction(reduction, divisor), flat.hidden, flat.table, flat.bias, ids,
+        flat.weights,
+    )
+  else:
+    per_token, counts = tiled.per_token_loss(call, flat.hidden, flat.table, flat.bias, ids)
+    loss = inputs.reduce_losses(per_token, flat, reduction, vocab_reduction, num_items)
   if not return_stats:
     return loss
   return loss, inputs.weighted_stats(counts, flat.weights)
+
+
+def use_one_pass(one_pass, reduction: str) -> bool:
+  """Resolves `one_pass` (None, True, False) for `reduction`; True with "none" is an error."""
+  if one_pass is None:
+    return reduction != "none"
+  if not isinstance(one_pass, bool):
+    raise TypeError(f"one_pass must be None, True or False, got {one_pass!r}")
+  if one_pass and reduction == "none":
+    raise ValueError(
+        "one_pass=True needs reduction 'mean' or 'sum' (with 'none' the cotangent of "
+        "each position is unknown at forward time)"
+    )
+  return one_pass
 
 
 def options_kwargs(options: LossOptions) -> dict:

@@ -160,15 +160,23 @@ def reduce_losses(per_token, flat: Flat, reduction: str, vocab_reduction: str,
   give exactly 0 (a `where`). The vocabulary mean divides by `num_items`
   (default V).
   """
+  divisor = 1
   if vocab_reduction == "mean":
-    per_token = per_token / (flat.table.shape[0] if num_items is None else num_items)
-  weighted = jnp.where(flat.weights != 0, flat.weights * per_token, 0.0)
+    divisor = flat.table.shape[0] if num_items is None else num_items
+  return reduce_weighted(per_token, flat.weights, reduction, divisor, flat.leading_shape)
+
+
+def reduce_weighted(per_token, weights, reduction: str, vocab_divisor: int, leading_shape=None):
+  """`reduce_losses` on plain arrays: `[T]` l_t, `[T]` weights, l_t / vocab_divisor."""
+  if vocab_divisor != 1:
+    per_token = per_token / vocab_divisor
+  weighted = jnp.where(weights != 0, weights * per_token, 0.0)
   if reduction == "none":
-    return jnp.reshape(weighted, flat.leading_shape)
+    return jnp.reshape(weighted, leading_shape)
   total = jnp.sum(weighted)
   if reduction == "sum":
     return total
-  weight_sum = jnp.sum(flat.weights)
+  weight_sum = jnp.sum(weights)
   safe = jnp.where(weight_sum != 0, weight_sum, 1.0)
   return jnp.where(weight_sum != 0, total / safe, 0.0)
 

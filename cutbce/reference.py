@@ -42,15 +42,16 @@ def dense_bce(
     hidden, table, targets, weights=None, *, bias=None, exclude=None,
     reduction="mean", vocab_reduction="mean", return_stats=False,
     backend="dense", plan=None, num_items=None, pos_weight=None, label_smoothing=0.0,
-    logit_soft_cap=None, focal_gamma=None, focal_alpha=None,
+    logit_soft_cap=None, focal_gamma=None, focal_alpha=None, one_pass=None,
 ):
   """`cutbce.cut_bce` computed densely; same signature and semantics.
 
   Every logit's loss is f(x, y) of `cutbce.variants` (plain BCE:
   softplus(x) - y x), summed over the items that count; gradients by autodiff.
-  `backend` and `plan` are accepted for signature compatibility and ignored.
+  `backend`, `plan` and `one_pass` are accepted for signature compatibility
+  and ignored (autodiff of the dense logits is one program either way).
   """
-  del backend
+  del backend, one_pass
   inputs.check_choice("reduction", reduction, inputs.REDUCTIONS)
   inputs.check_choice("vocab_reduction", vocab_reduction, inputs.VOCAB_REDUCTIONS)
   inputs.check_plan(plan)

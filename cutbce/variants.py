@@ -183,6 +183,19 @@ def tile_grad(options: LossOptions, x):
   return _value_and_derivative(lambda z: elementwise_loss(options, z, 0), x)[1]
 
 
+def tile_value_and_grad(options: LossOptions, x):
+  """(tile_value, tile_grad) in one pass, sharing the transcendentals.
+
+  For affine options softplus(x) and sigmoid(x) share one exp(-|x|):
+  sigmoid(x) = [x >= 0 ? 1 : e] / (1 + e) with e = exp(-|x|).
+  """
+  if options.is_affine:
+    decay = jnp.exp(-jnp.abs(x))
+    value = jnp.maximum(x, 0.0) + jnp.log1p(decay)
+    return value, jnp.where(x >= 0, 1.0, decay) / (1.0 + decay)
+  return _value_and_derivative(lambda z: elementwise_loss(options, z, 0), x)
+
+
 def negative_value_and_grad(options: LossOptions, x):
   """f(x, 0) and f'(x, 0), the full negative term (affine part included)."""
   return _value_and_derivative(lambda z: elementwise_loss(options, z, 0), x)

@@ -37,6 +37,7 @@ def _choose(name: str, *operands, **static):
 forward = functools.partial(_choose, "forward")
 backward = functools.partial(_choose, "backward")
 rank_counts = functools.partial(_choose, "rank_counts")
+forward_backward = functools.partial(_choose, "forward_backward")
 
 
 def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype, num_targets: int = 1):

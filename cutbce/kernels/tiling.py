@@ -227,6 +227,7 @@ def vmem_estimate(
     total += logit_tile  # column-validity mask / iota [block_t, block_v] int32
   elif kernel == "backward":
     total += 2 * buffer_bytes(c, 1, 4)  # scale g_t [chunk, 1] f32, x2
+    total += 2 * 2 * buffer_bytes(c, 1, 4)  # one pass: loss-sum and count outputs [chunk, 1], x2
     total += 2 * buffer_bytes(c, d, 4)  # dh accumulator output block [chunk, D] f32, x2
     total += 2 * buffer_bytes(bv, d, 4)  # dE input block (aliased, sparse part), x2
     total += 2 * buffer_bytes(bv, d, 4)  # dE output block [block_v, D] f32, x2

@@ -452,7 +452,7 @@ def _forward(hidden, table, bias, *, plan, with_counts, options, num_items, inte
 
 
 def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
-                     options: LossOptions):
+                     options: LossOptions, with_loss: bool, with_counts: bool):
   refs = list(refs)
   hidden_ref = refs.pop(0)  # [chunk, D]
   scale_ref = refs.pop(0)  # [chunk, 1] f32, g_t
@@ -463,12 +463,19 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
   hidden_grad_ref = refs.pop(0)  # [chunk, D] f32 accumulator, resident all sweep
   table_grad_ref = refs.pop(0)  # [block_v, D] f32, written once per step
   bias_grad_ref = refs.pop(0) if has_bias else None  # [1, block_v] f32
+  # One pass only: per-token sums, resident along the vocab axis like dh.
+  dense_ref = refs.pop(0) if with_loss else None  # [chunk, 1] f32
+  count_ref = refs.pop(0) if with_counts else None  # [chunk, 1] int32
   vocab_index = pl.program_id(0)
   compute_dtype = table_ref.dtype
 
   @pl.when(vocab_index == 0)
   def init():
     hidden_grad_ref[...] = jnp.zeros_like(hidden_grad_ref)
+    if with_loss:
+      dense_ref[...] = jnp.zeros_like(dense_ref)
+    if with_counts:
+      count_ref[...] = jnp.zeros_like(count_ref)
 
   table = _table_tile(table_ref, vocab_index, geom)  # [block_v, D]
   valid = _column_ids(vocab_index, geom) < geom.vocab if geom.ragged_vocab else None
@@ -488,7 +495,20 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
     logits = _tile_logits(hidden, table, bias_ref)  # [block_t, block_v] f32
     # d l_t / d x_tv of the dense background is phi'(x_tv) (sigmoid for
     # plain BCE), times g_t.
-    grad = scale * variants.tile_grad(options, logits)  # [block_t, block_v] f32
+    if with_loss:
+      value, derivative = variants.tile_value_and_grad(options, logits)
+      if valid is not None:
+        value = jnp.where(valid, value, 0.0)
+      dense_ref[rows, :] += jnp.sum(value, axis=1, keepdims=True)  # [block_t, 1]
+      if with_counts:
+        positive = logits > 0.0
+        if valid is not None:
+          positive = positive & valid
+        count_ref[rows, :] += jnp.sum(
+            positive.astype(jnp.float32), axis=1, keepdims=True).astype(jnp.int32)
+    else:
+      derivative = variants.tile_grad(options, logits)
+    grad = scale * derivative  # [block_t, block_v] f32
     if valid is not None:
       grad = jnp.where(valid, grad, 0.0)
     grad_mxu = grad.astype(compute_dtype)
@@ -514,12 +534,25 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
 def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePlan | None,
              options: LossOptions = variants.PLAIN, num_items: int | None = None):
   """dh `[T, D]` f32; `table_grad` (+ dense part) `[V, D]` f32; `bias_grad` `[V]` or None."""
+  _, _, *grads = _run(_backward, hidden, table, bias, scale, table_grad, bias_grad, plan=plan,
+                      options=options, num_items=num_items, with_loss=False, with_counts=False)
+  return tuple(grads)
+
+
+@functools.partial(jax.named_call, name="cutbce_tpu_forward_backward")
+def forward_backward(hidden, table, bias, scale, table_grad, bias_grad, *,
+                     plan: TilePlan | None, with_counts: bool,
+                     options: LossOptions = variants.PLAIN, num_items: int | None = None):
+  """The backward kernel that also sums phi and counts x > 0: one pass, 3 matmuls per tile.
+
+  Returns (dense_sum [T] f32, positive_count [T] int32 or None, dh, table_grad, bias_grad).
+  """
   return _run(_backward, hidden, table, bias, scale, table_grad, bias_grad, plan=plan,
-              options=options, num_items=num_items)
+              options=options, num_items=num_items, with_loss=True, with_counts=with_counts)
 
 
 def _backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, num_items,
-              interpret):
+              with_loss, with_counts, interpret):
   _check_supported(hidden, table, plan)
   hidden, table = _common_dtype(hidden, table)
   geom = _geometry(plan, hidden, table, "backward", num_items=num_items, options=options)
@@ -537,7 +570,7 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan, option
   alias = not (interpret is not False and vocab % geom.block_v)
   walked_rows = geom.num_vocab_tiles * geom.block_v  # rows past it: never visited
   given_table_grad, given_bias_grad = table_grad, bias_grad_row
-  hidden_grads = []
+  hidden_grads, dense_sums, positive_counts = [], [], []
 
   for chunk in range(geom.num_chunks):  # the outer loop over token chunks
     rows_in_chunk = min(geom.chunk, num_tokens - chunk * geom.chunk)
@@ -572,10 +605,17 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan, option
     if has_bias:
       out_specs.append(pl.BlockSpec((1, geom.block_v), bias_index_map))
       out_shape.append(jax.ShapeDtypeStruct((1, vocab), jnp.float32))
+    token_spec = pl.BlockSpec((geom.chunk, 1), lambda tile: (0, 0))
+    if with_loss:
+      out_specs.append(token_spec)
+      out_shape.append(jax.ShapeDtypeStruct((rows_in_chunk, 1), jnp.float32))
+    if with_counts:
+      out_specs.append(token_spec)
+      out_shape.append(jax.ShapeDtypeStruct((rows_in_chunk, 1), jnp.int32))
     outputs = pl.pallas_call(
         functools.partial(
             _backward_kernel, geom=geom, rows_in_chunk=rows_in_chunk, has_bias=has_bias,
-            options=options,
+            options=options, with_loss=with_loss, with_counts=with_counts,
         ),
         grid=(geom.num_vocab_tiles,),
         in_specs=in_specs,
@@ -592,10 +632,15 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan, option
         interpret=interpret,
         name=f"cutbce_backward_bt{geom.block_t}_bv{geom.block_v}_chunk{geom.chunk}",
     )(*operands)
-    hidden_grads.append(outputs[0])
-    table_grad = outputs[1]
+    outputs = list(outputs)
+    hidden_grads.append(outputs.pop(0))
+    table_grad = outputs.pop(0)
     if has_bias:
-      bias_grad_row = outputs[2]
+      bias_grad_row = outputs.pop(0)
+    if with_loss:
+      dense_sums.append(outputs.pop(0)[:, 0])
+    if with_counts:
+      positive_counts.append(outputs.pop(0)[:, 0])
   if not alias and walked_rows < vocab:
     # A fresh output holds garbage in the rows the grid never visited (past
     # num_items): they keep the given (sparse) part there.
@@ -604,9 +649,11 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan, option
     if has_bias:
       bias_grad_row = jnp.where(rows[None, :] < walked_rows, bias_grad_row, given_bias_grad)
   # [T, D] f32: the chunks' dh side by side (no copy with a single chunk).
-  hidden_grad = hidden_grads[0] if len(hidden_grads) == 1 else jnp.concatenate(hidden_grads)
+  join = lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(parts)  # noqa: E731
   bias_grad = bias_grad_row.reshape(vocab) if has_bias else None
-  return hidden_grad, table_grad, bias_grad
+  dense_sum = join(dense_sums) if with_loss else None
+  positive_count = join(positive_counts) if with_counts else None
+  return dense_sum, positive_count, join(hidden_grads), table_grad, bias_grad
 
 
 # --------------------------------------------------------------------------- #

@@ -20,6 +20,11 @@ phi = `variants.tile_value(options, .)` the per-logit term a tile sums
       -> (dh [T, D] f32, table_grad [V, D] f32, bias_grad [V] f32 or None)
       dh = sum_v g_t phi'(x_tv) e_v; adds sum_t g_t phi'(x_tv) h_t to
       `table_grad` (and sum_t g_t phi'(x_tv) to `bias_grad`), g = `scale` [T].
+  forward_backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan,
+                   with_counts, options, num_items)
+      -> (dense_sum, positive_count or None, dh, table_grad, bias_grad)
+      forward and backward in one sweep, 3 GEMMs per tile: for callers that
+      know g_t at forward time (reductions "mean" and "sum").
   rank_counts(hidden, table, bias, target_logits, target_ids, *, plan, options, num_items)
       -> [T, L] int32: #{v != target_ids[t, l] : cap(x_tv) > target_logits[t, l]},
       with cap = `variants.cap(options, .)` (the identity without a soft cap).
@@ -133,18 +138,46 @@ def forward(hidden, table, bias, *, plan: TilePlan | None, with_counts: bool,
 @functools.partial(jax.named_call, name="cutbce_xla_backward")
 def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePlan | None,
              options: LossOptions = variants.PLAIN, num_items: int | None = None):
+  _, _, *grads = _sweep(hidden, table, bias, scale, table_grad, bias_grad, plan=plan,
+                        options=options, num_items=num_items, with_loss=False,
+                        with_counts=False)
+  return tuple(grads)
+
+
+@functools.partial(jax.named_call, name="cutbce_xla_forward_backward")
+def forward_backward(hidden, table, bias, scale, table_grad, bias_grad, *,
+                     plan: TilePlan | None, with_counts: bool,
+                     options: LossOptions = variants.PLAIN, num_items: int | None = None):
+  return _sweep(hidden, table, bias, scale, table_grad, bias_grad, plan=plan,
+                options=options, num_items=num_items, with_loss=True, with_counts=with_counts)
+
+
+def _sweep(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, num_items,
+           with_loss: bool, with_counts: bool):
+  """The backward walk (3 GEMMs per tile), and with `with_loss` the forward's sums too.
+
+  Returns (dense_sum or None, positive_count or None, dh, table_grad, bias_grad).
+  """
   compute_dtype = jnp.result_type(hidden.dtype, table.dtype)
+  num_tokens = hidden.shape[0]
   num_items = table.shape[0] if num_items is None else num_items
   plan = _plan(plan, "backward", hidden, num_items)
 
   def step(carry, rows, start, size):
     table, bias = rows
-    hidden_grad, table_grad, bias_grad = carry
+    dense_sum, positive_count, hidden_grad, table_grad, bias_grad = carry
     table_tile = _slice_rows(table, start, size)  # [block_v, D]
     logits = tile_logits(hidden, table_tile, _slice_rows(bias, start, size))
     # d l_t / d x_tv of the background is phi'(x_tv) (sigmoid for plain
     # BCE); scaled by g_t.
-    logit_grad = scale[:, None] * variants.tile_grad(options, logits)  # [T, block_v] f32
+    if with_loss:
+      value, grad = variants.tile_value_and_grad(options, logits)
+      dense_sum = dense_sum + jnp.sum(value, axis=-1)
+      if with_counts:
+        positive_count = positive_count + jnp.sum(logits > 0, axis=-1, dtype=jnp.int32)
+    else:
+      grad = variants.tile_grad(options, logits)
+    logit_grad = scale[:, None] * grad  # [T, block_v] f32
     logit_grad_c = logit_grad.astype(compute_dtype)
     hidden_grad = hidden_grad + lax.dot_general(
         logit_grad_c, table_tile, (((1,), (0,)), ((), ())),
@@ -163,9 +196,13 @@ def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePla
           _slice_rows(bias_grad, start, size) + jnp.sum(logit_grad, axis=0),
           start,
       )
-    return hidden_grad, table_grad, bias_grad
+    return dense_sum, positive_count, hidden_grad, table_grad, bias_grad
 
-  init = (jnp.zeros(hidden.shape, jnp.float32), table_grad, bias_grad)
+  init = (
+      jnp.zeros((num_tokens,), jnp.float32) if with_loss else None,
+      jnp.zeros((num_tokens,), jnp.int32) if with_loss and with_counts else None,
+      jnp.zeros(hidden.shape, jnp.float32), table_grad, bias_grad,
+  )
   return walk_tiles(num_items, plan.block_v, step, init, (table, bias))
 
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from cutbce import api, inputs, reference, sparse, variants
+from cutbce import api, inputs, reference, sparse, tiled, variants
 from cutbce.sharding import layout as layout_lib
 from cutbce.sharding.layout import Layout
 
@@ -49,7 +49,7 @@ class _Static(NamedTuple):
   """Everything the custom VJP is traced with (hashable)."""
 
   layout: Layout
-  call: api.TiledCall  # the local op; its num_items is the shard's row count
+  call: tiled.TiledCall  # the local op; its num_items is the shard's row count
   num_targets: int  # L: the packed ids are [T, L + E].
 
 
@@ -90,104 +90,135 @@ def _map(layout: Layout, fn, in_specs, out_specs):
   )
 
 
-def _forward(static: _Static, hidden, table, bias, ids):
+def _sweep(static: _Static, mode: str, hidden, table, bias, ids, scale=None):
+  """One shard_map over the local op: "forward", "backward" or "both" (one pass).
+
+  Returns per mode: forward (l_t `[T]`, counts `[4, T]` or None); backward
+  (dh, dE, db) float32; both (l_t, counts, (dh, dE, db)). Collectives: the
+  token gather before the local sweep, then the reduce-scatter (or psum) of
+  l_t, counts and dh over the vocab axis and the psum of dE, db over the
+  other token axes, all after it.
+  """
   layout = static.layout
-
-  def local(hidden, table, bias, ids):
-    hidden, ids = layout_lib.gather_tokens(layout, hidden, ids)
-    offset, real_rows = layout_lib.shard_rows(layout)
-    table, bias = layout_lib.zero_padding_rows(layout, real_rows, table, bias)
-    _, local_ids = _local_ids(static, ids, offset)
-    per_token, counts = api.tiled_forward(
-        static.call, hidden, table, bias, local_ids, counted_items=real_rows,
-    )  # [T_group] f32, counts over this shard's real rows
-    # Each padded row added A phi(0) to every token (its logit is exactly 0).
-    padded = _padded_rows(layout, real_rows).astype(jnp.float32)
-    per_token = per_token - padded * _padding_row_loss(static.call.options)
-    per_token = layout_lib.scatter_tokens(layout, per_token)  # [T_local]
-    if counts is None:
-      return per_token
-    counts = layout_lib.scatter_tokens(layout, jnp.stack(counts), axis=1)  # [4, T_local]
-    return per_token, counts
-
-  token_spec = layout.token_spec
-  in_specs = (token_spec, layout.table_spec, layout.bias_spec, token_spec)
-  if bias is None:
-    fn = lambda hidden, table, ids: local(hidden, table, None, ids)  # noqa: E731
-    in_specs, args = in_specs[:2] + in_specs[3:], (hidden, table, ids)
-  else:
-    fn, args = local, (hidden, table, bias, ids)
-  if not static.call.with_counts:
-    return _map(layout, fn, in_specs, token_spec)(*args), None
-  counts_spec = P(None, *token_spec)
-  return _map(layout, fn, in_specs, (token_spec, counts_spec))(*args)
-
-
-def _backward(static: _Static, hidden, table, bias, ids, scale):
-  layout = static.layout
+  with_loss, with_grads = mode in ("forward", "both"), mode in ("backward", "both")
+  with_counts = with_loss and static.call.with_counts
 
   def local(hidden, table, bias, ids, scale):
     hidden, ids, scale = layout_lib.gather_tokens(layout, hidden, ids, scale)
     offset, real_rows = layout_lib.shard_rows(layout)
     table, bias = layout_lib.zero_padding_rows(layout, real_rows, table, bias)
     _, local_ids = _local_ids(static, ids, offset)
-    hidden_grad, table_grad, bias_grad = api.tiled_backward(
-        static.call, hidden, table, bias, local_ids, scale
-    )  # f32 [T_group, D], [V_shard, D], [V_shard]
-    if layout.num_items != layout.vocab:
-      # Rows past num_items get exactly zero (the dense part reached them).
-      table_grad, bias_grad = layout_lib.zero_padding_rows(
-          layout, real_rows, table_grad, bias_grad
-      )
-    hidden_grad = layout_lib.scatter_tokens(layout, hidden_grad)  # [T_local, D]
-    if layout.table_sum_axes:
-      table_grad, bias_grad = lax.psum((table_grad, bias_grad), layout.table_sum_axes)
-    if bias is None:
-      return hidden_grad, table_grad
-    return hidden_grad, table_grad, bias_grad
+    if mode == "forward":
+      per_token, counts = tiled.tiled_forward(
+          static.call, hidden, table, bias, local_ids, counted_items=real_rows)
+    elif mode == "backward":
+      grads = tiled.tiled_backward(static.call, hidden, table, bias, local_ids, scale)
+    else:
+      per_token, counts, grads = tiled.tiled_forward_backward(
+          static.call, hidden, table, bias, local_ids, scale, counted_items=real_rows)
+    outputs = ()
+    if with_loss:
+      # Each padded row added A phi(0) to every token (its logit is exactly 0).
+      padded = _padded_rows(layout, real_rows).astype(jnp.float32)
+      per_token = per_token - padded * _padding_row_loss(static.call.options)
+      outputs += (layout_lib.scatter_tokens(layout, per_token),)  # [T_local]
+      if with_counts:
+        outputs += (layout_lib.scatter_tokens(layout, jnp.stack(counts), axis=1),)  # [4, T_local]
+    if with_grads:
+      hidden_grad, table_grad, bias_grad = grads  # f32 [T_group, D], [V_shard, D], [V_shard]
+      if layout.num_items != layout.vocab:
+        # Rows past num_items get exactly zero (the dense part reached them).
+        table_grad, bias_grad = layout_lib.zero_padding_rows(
+            layout, real_rows, table_grad, bias_grad)
+      hidden_grad = layout_lib.scatter_tokens(layout, hidden_grad)  # [T_local, D]
+      if layout.table_sum_axes:
+        table_grad, bias_grad = lax.psum((table_grad, bias_grad), layout.table_sum_axes)
+      outputs += (hidden_grad, table_grad) + ((bias_grad,) if bias is not None else ())
+    return outputs
 
   token_spec = layout.token_spec
-  in_specs = (token_spec, layout.table_spec, layout.bias_spec, token_spec, token_spec)
-  out_specs = (token_spec, layout.table_spec, layout.bias_spec)
-  if bias is None:
-    fn = lambda hidden, table, ids, scale: local(hidden, table, None, ids, scale)  # noqa: E731
-    grads = _map(layout, fn, in_specs[:2] + in_specs[3:], out_specs[:2])(
-        hidden, table, ids, scale
-    )
-    return grads + (None,)
-  return _map(layout, local, in_specs, out_specs)(hidden, table, bias, ids, scale)
+  specs = (token_spec, layout.table_spec, layout.bias_spec, token_spec, token_spec)
+  args = (hidden, table, bias, ids, scale)
+  present = [i for i, x in enumerate(args) if x is not None]
+
+  def fn(*arrays):
+    full = [None] * len(args)
+    for i, x in zip(present, arrays):
+      full[i] = x
+    return local(*full)
+
+  out_specs = ()
+  if with_loss:
+    out_specs += (token_spec,) + ((P(None, *token_spec),) if with_counts else ())
+  if with_grads:
+    out_specs += (token_spec, layout.table_spec) + ((layout.bias_spec,) if bias is not None else ())
+  outputs = list(_map(layout, fn, tuple(specs[i] for i in present), out_specs)(
+      *(args[i] for i in present)))
+  loss_part = ()
+  if with_loss:
+    per_token = outputs.pop(0)
+    loss_part = (per_token, outputs.pop(0) if with_counts else None)
+  if not with_grads:
+    return loss_part
+  grads = (outputs[0], outputs[1], outputs[2] if bias is not None else None)
+  return loss_part + (grads,) if with_loss else grads
 
 
 # --------------------------------------------------------------------------- #
-# Per-token losses under one custom VJP. Ids get no cotangent.                 #
+# Two passes: per-token losses under one custom VJP. Ids get no cotangent.     #
 # --------------------------------------------------------------------------- #
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _sharded_loss(static: _Static, hidden, table, bias, ids):
   """([T] f32 l_t in the token layout, [4, T] int32 counts or None)."""
-  return _forward(static, hidden, table, bias, ids)
+  return _sweep(static, "forward", hidden, table, bias, ids)
 
 
 def _sharded_loss_fwd(static: _Static, hidden, table, bias, ids):
   # Residuals are the (ungathered) inputs: the backward gathers hidden again
   # rather than keeping an m-times larger gathered copy alive between passes.
-  out = _forward(static, hidden, table, bias, ids)
+  out = _sweep(static, "forward", hidden, table, bias, ids)
   return out, (hidden, table, bias, ids)
 
 
 def _sharded_loss_bwd(static: _Static, residuals, cotangents):
   hidden, table, bias, ids = residuals
-  layout = static.layout
   scale = cotangents[0].astype(jnp.float32)  # g_t, [T]; counts get none.
-  scale = layout_lib.place(layout, scale, layout.token_spec)
-  hidden_grad, table_grad, bias_grad = _backward(static, hidden, table, bias, ids, scale)
-  if bias is not None:
-    bias_grad = bias_grad.astype(bias.dtype)
-  return hidden_grad.astype(hidden.dtype), table_grad.astype(table.dtype), bias_grad, None
+  scale = layout_lib.place(static.layout, scale, static.layout.token_spec)
+  grads = _sweep(static, "backward", hidden, table, bias, ids, scale)
+  return tiled.cast_grads(grads, hidden, table, bias) + (None,)
 
 
 _sharded_loss.defvjp(_sharded_loss_fwd, _sharded_loss_bwd)
+
+
+# --------------------------------------------------------------------------- #
+# One pass: the reduced loss, gradients made in the forward shard_map.         #
+# --------------------------------------------------------------------------- #
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sharded_reduced(static: _Static, reduction: tiled.Reduction, hidden, table, bias, ids,
+                     weights):
+  """(float32 reduced loss, [4, T] counts or None), differentiated in one pass."""
+  per_token, counts = _sweep(static, "forward", hidden, table, bias, ids)
+  return _reduce(per_token, weights, reduction), counts
+
+
+def _reduce(per_token, weights, reduction: tiled.Reduction):
+  return inputs.reduce_weighted(per_token, weights, reduction.reduction, reduction.vocab_divisor)
+
+
+def _sharded_reduced_fwd(static, reduction, hidden, table, bias, ids, weights):
+  scale = layout_lib.place(
+      static.layout, tiled.unit_cotangents(weights, reduction), static.layout.token_spec)
+  per_token, counts, grads = _sweep(static, "both", hidden, table, bias, ids, scale)
+  loss = _reduce(per_token, weights, reduction)
+  return (loss, counts), (grads, tiled.dtype_markers(hidden, table, bias), weights)
+
+
+_sharded_reduced.defvjp(_sharded_reduced_fwd, tiled.reduced_loss_bwd)
 
 
 def _prepare(layout: Layout, hidden, table, bias, ids):
@@ -212,6 +243,7 @@ def sharded_cut_bce(
     bias=None, exclude=None, reduction="mean", vocab_reduction="mean",
     return_stats=False, backend="auto", plan=None, num_items=None, pos_weight=None,
     label_smoothing=0.0, logit_soft_cap=None, focal_gamma=None, focal_alpha=None,
+    one_pass=None,
 ):
   """`cutbce.cut_bce` on a device mesh, collectives outside the vocabulary loop.
 
@@ -234,7 +266,7 @@ def sharded_cut_bce(
       before the local op and dh reduce-scattered back after it.
     bias, exclude, reduction, vocab_reduction, return_stats, backend, plan,
       num_items, pos_weight, label_smoothing, logit_soft_cap, focal_gamma,
-      focal_alpha: as in `cut_bce`; `vocab_reduction="mean"` divides by
+      focal_alpha, one_pass: as in `cut_bce`; `vocab_reduction="mean"` divides by
       `num_items` (default the caller's V). `plan` tiles the local op
       (default: each kernel's plan for the local shapes). backend="dense" runs
       the reference on the global arrays (XLA partitions).
@@ -267,6 +299,7 @@ def sharded_cut_bce(
   )
   flat = inputs.flatten_inputs(hidden, table, targets, weights, bias, exclude)
   num_items = inputs.check_num_items(num_items, flat.table.shape[0])
+  api.use_one_pass(one_pass, reduction)  # checked for every backend
   backend = api.resolve_backend(backend, flat, plan)
   layout = layout_lib.make_layout(
       mesh, token_axes, vocab_axis, hidden_shape=jnp.shape(hidden), table=table,
@@ -280,14 +313,19 @@ def sharded_cut_bce(
     )
   static = _Static(
       layout=layout,
-      call=api.TiledCall(backend, plan, bool(return_stats), options, layout.rows_per_shard),
+      call=tiled.TiledCall(backend, plan, bool(return_stats), options, layout.rows_per_shard),
       num_targets=flat.targets.shape[-1],
   )
   args = _prepare(
       layout, flat.hidden, flat.table, flat.bias, _pack_ids(flat.targets, flat.exclude)
   )
-  per_token, counts = _sharded_loss(static, *args)
-  loss = inputs.reduce_losses(per_token, flat, reduction, vocab_reduction, num_items)
+  if api.use_one_pass(one_pass, reduction):
+    divisor = num_items if vocab_reduction == "mean" else 1
+    weights = layout_lib.place(layout, flat.weights, layout.token_spec)
+    loss, counts = _sharded_reduced(static, tiled.Reduction(reduction, divisor), *args, weights)
+  else:
+    per_token, counts = _sharded_loss(static, *args)
+    loss = inputs.reduce_losses(per_token, flat, reduction, vocab_reduction, num_items)
   if not return_stats:
     return loss
   return loss, inputs.weighted_stats(tuple(counts), flat.weights)
@@ -331,7 +369,7 @@ def sharded_target_ranks(
   num_targets = flat.targets.shape[-1]
   static = _Static(
       layout=layout,
-      call=api.TiledCall(backend, plan, False, options, layout.rows_per_shard),
+      call=tiled.TiledCall(backend, plan, False, options, layout.rows_per_shard),
       num_targets=num_targets,
   )
   hidden_, table_, bias_ = (
