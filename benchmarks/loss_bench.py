@@ -8,10 +8,15 @@ GEMMs of size T x V x D tile by tile with no elementwise work: what cut_bce
 would cost if softplus and sigmoid were free. Dense runs only where its temp
 memory fits `--dense-limit-gib`; above that it is compiled, not run.
 
+`cut` is `cut_bce`'s default for reduction "mean": one pass (loss and
+gradients in one sweep, 3 GEMMs per tile); `two-pass` is `one_pass=False`
+(forward sweep, then a backward sweep: 4 GEMMs per tile).
+
 Also, side by side in the same run: `cut_bce` with every loss variant on
 (`VARIANTS`: pos_weight, label_smoothing, logit_soft_cap, focal) against the
-plain one, and the compiled temp memory of cut_bce in the other dtype
-(bf16 when timing f32 and vice versa). `--topk` adds the top-k rows of
+plain one (`--variant-detail` adds each option set alone), and the compiled
+temp memory of cut_bce in the other dtype (bf16 when timing f32 and vice
+versa). `--topk` adds the top-k rows of
 `benchmarks/topk_bench.py` (cut `top_k` against `lax.top_k` of dense logits).
 
     python benchmarks/loss_bench.py                     # the issue's sweep
@@ -39,6 +44,12 @@ DEFAULT_VOCABS = (16_384, 32_768, 65_536, 131_072, 262_144, 524_288, 1_048_576, 
 # Every loss variant at once (soft cap and focal run in the tiles).
 VARIANTS = dict(pos_weight=2.0, label_smoothing=0.1, logit_soft_cap=30.0, focal_gamma=2.0,
                 focal_alpha=0.25)
+# Each option set alone (--variant-detail).
+VARIANT_SETS = {
+    "affine": dict(pos_weight=2.0, label_smoothing=0.1),
+    "soft_cap": dict(logit_soft_cap=30.0),
+    "focal": dict(focal_gamma=2.0, focal_alpha=0.25),
+}
 
 
 def make_inputs(batch, seq, dim, vocab, num_targets, dtype, seed=0):
@@ -125,6 +136,8 @@ def main():
   parser.add_argument("--cut-only-above", type=int, default=1_048_576,
                       help="above this V only cut_bce is measured")
   parser.add_argument("--out", default="benchmarks/results")
+  parser.add_argument("--variant-detail", action="store_true",
+                      help="also time each variant option set alone")
   parser.add_argument("--topk", action="store_true",
                       help="also run topk_bench's rows (T, D and k from topk_bench's defaults)")
   parser.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True)
@@ -139,7 +152,8 @@ def main():
   other = jnp.dtype("float32" if dtype == jnp.bfloat16 else "bfloat16")
   header = (f"{'V':>10} {'block_v':>7} {'dense s':>8} {'dense MiB':>10} {'cut s':>8} "
             f"{'cut MiB':>8} {'floor s':>8} {'cut/dense':>9} {'cut/floor':>9} {'%peak':>6} "
-            f"{'var s':>7} {'var/cut':>7} {'var MiB':>7} {other.name[:4] + ' MiB':>9}")
+            f"{'var s':>7} {'var/cut':>7} {'var MiB':>7} {other.name[:4] + ' MiB':>9} "
+            f"{'2pass s':>8} {'1p/2p':>6} {'2p MiB':>7}")
   print(header)
   for vocab in args.vocab:
     hidden, table, targets = make_inputs(args.batch, args.seq, args.dim, vocab, args.targets, dtype)
@@ -151,6 +165,12 @@ def main():
     contenders["cut"], row["cut_temp_bytes"] = compile_with_temp(grad(loss_fn("xla", plan)), operands)
     contenders["variants"], row["variants_temp_bytes"] = compile_with_temp(
         grad(loss_fn("xla", plan, **VARIANTS)), operands)
+    contenders["two_pass"], row["two_pass_temp_bytes"] = compile_with_temp(
+        grad(loss_fn("xla", plan, one_pass=False)), operands)
+    if args.variant_detail:
+      for name, options in VARIANT_SETS.items():
+        contenders[f"variant_{name}"], _ = compile_with_temp(
+            grad(loss_fn("xla", plan, **options)), operands)
     other_operands = (hidden.astype(other), table.astype(other), targets)
     _, row[f"cut_temp_bytes_{other.name}"] = compile_with_temp(
         grad(loss_fn("xla", plan)), other_operands)
@@ -176,7 +196,12 @@ def main():
           f"{fmt(None if not peak else 100 * row['cut_fraction_of_peak'], '6.1f')} "
           f"{row['variants_seconds']:7.3f} {row['variants_seconds'] / cut_time:7.3f} "
           f"{row['variants_temp_bytes'] / 2**20:7.1f} "
-          f"{row[f'cut_temp_bytes_{other.name}'] / 2**20:9.1f}", flush=True)
+          f"{row[f'cut_temp_bytes_{other.name}'] / 2**20:9.1f} "
+          f"{row['two_pass_seconds']:8.3f} {cut_time / row['two_pass_seconds']:6.3f} "
+          f"{row['two_pass_temp_bytes'] / 2**20:7.1f}", flush=True)
+    if args.variant_detail:
+      print("    variants alone, time / plain cut: " + ", ".join(
+          f"{name} {row[f'variant_{name}_seconds'] / cut_time:.3f}" for name in VARIANT_SETS))
   if args.topk:
     import topk_bench  # pylint: disable=g-import-not-at-top  (benchmarks/ is on sys.path)
     rows.append(dict(topk=topk_bench.run_rows(repeats=args.repeats)))
