@@ -139,7 +139,9 @@ def main():
   parser.add_argument("--variant-detail", action="store_true",
                       help="also time each variant option set alone")
   parser.add_argument("--topk", action="store_true",
-                      help="also run topk_bench's rows (T, D and k from topk_bench's defaults)")
+                      help="also race top_k against dense lax.top_k (benchmarks/topk_bench.py)")
+  parser.add_argument("--topk-vocab", type=int, default=1_048_576)
+  parser.add_argument("--topk-k", type=int, default=100)
   parser.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True)
   args = parser.parse_args()
 
@@ -202,14 +204,17 @@ def main():
     if args.variant_detail:
       print("    variants alone, time / plain cut: " + ", ".join(
           f"{name} {row[f'variant_{name}_seconds'] / cut_time:.3f}" for name in VARIANT_SETS))
+  topk_rows = None
   if args.topk:
     import topk_bench  # pylint: disable=g-import-not-at-top  (benchmarks/ is on sys.path)
-    rows.append(dict(topk=topk_bench.run_rows(repeats=args.repeats)))
+    topk_rows = topk_bench.compare(tokens=tokens, dim=args.dim, vocab=args.topk_vocab,
+                                   k=args.topk_k, dtype=args.dtype, repeats=args.repeats)
 
   os.makedirs(args.out, exist_ok=True)
   result = dict(
       config=dict(vars(args), tokens=tokens), jax=jax.__version__,
       machine=dict(platform=platform.platform(), cores=os.cpu_count(), peak_flops=peak), rows=rows,
+      topk_rows=topk_rows,
   )
   path = os.path.join(args.out, f"loss_bench_{args.dtype}.json")
   with open(path, "w") as f:

@@ -89,6 +89,43 @@ def agreement(got, want):
           float(np.max(np.abs(np.asarray(got[0]) - np.asarray(want[0])))))
 
 
+def compare(*, tokens, dim, vocab, k, dtype="float32", block_vs=(0,), repeats=3, dense=True):
+  """cutbce top_k (each block_v; 0 = default plan) against dense `lax.top_k`, side by side.
+
+  Prints a table; returns one row dict per contender (temp bytes, median and
+  all times, and agreement with dense where it ran).
+  """
+  dtype = jnp.dtype(dtype)
+  hidden, table = make_inputs(tokens, dim, vocab, dtype)
+  operands = (hidden, table)
+  print(f"topk_bench: T={tokens} D={dim} V={vocab} k={k} {dtype.name}, "
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores",
+        flush=True)
+  contenders, rows = {}, {}
+  for block_v in block_vs:
+    resolved = block_v or topk.default_block_v(tokens, vocab)
+    name = f"cutbce[block_v={resolved}]"
+    contenders[name], temp = compile_with_temp(cut_fn(k, block_v), operands)
+    rows[name] = dict(contender="cutbce", block_v=resolved, temp_bytes=temp)
+  if dense:
+    contenders["dense"], temp = compile_with_temp(dense_fn(k), operands)
+    rows["dense"] = dict(contender="dense", block_v=None, temp_bytes=temp)
+  medians, all_times, outputs = interleaved_median_times(contenders, operands, repeats)
+  reference = outputs.get("dense")
+  print(f"{'contender':>24} {'median s':>9} {'temp MiB':>10} {'ids = dense':>11} "
+        f"{'max |ds|':>9}")
+  for name, row in rows.items():
+    row["median_seconds"] = medians[name]
+    row["seconds"] = all_times[name]
+    if reference is not None and name != "dense":
+      row["ids_equal_dense"], row["max_score_diff"] = agreement(outputs[name], reference)
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    print(f"{name:>24} {row['median_seconds']:9.3f} {row['temp_bytes'] / 2**20:10.1f} "
+          f"{fmt(row.get('ids_equal_dense'), '11.5f')} {fmt(row.get('max_score_diff'), '9.2e')}",
+          flush=True)
+  return list(rows.values())
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--tokens", type=int, default=2048)
@@ -103,41 +140,13 @@ def main():
   parser.add_argument("--out", default="docs/results")
   parser.add_argument("--name", default="topk_bench.json")
   args = parser.parse_args()
-
-  dtype = jnp.dtype(args.dtype)
-  hidden, table = make_inputs(args.tokens, args.dim, args.vocab, dtype)
-  operands = (hidden, table)
-  print(f"topk_bench: T={args.tokens} D={args.dim} V={args.vocab} k={args.k} {args.dtype}, "
-        f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} cores",
-        flush=True)
-  contenders, rows = {}, {}
-  for block_v in args.block_v:
-    resolved = block_v or topk.default_block_v(args.tokens, args.vocab)
-    name = f"cutbce[block_v={resolved}]"
-    contenders[name], temp = compile_with_temp(cut_fn(args.k, block_v), operands)
-    rows[name] = dict(contender="cutbce", block_v=resolved, temp_bytes=temp)
-  if args.dense:
-    contenders["dense"], temp = compile_with_temp(dense_fn(args.k), operands)
-    rows["dense"] = dict(contender="dense", block_v=None, temp_bytes=temp)
-  medians, all_times, outputs = interleaved_median_times(contenders, operands, args.repeats)
-  reference = outputs.get("dense")
-  print(f"{'contender':>24} {'median s':>9} {'temp MiB':>10} {'ids = dense':>11} "
-        f"{'max |ds|':>9}")
-  for name, row in rows.items():
-    row["median_seconds"] = medians[name]
-    row["seconds"] = all_times[name]
-    if reference is not None and name != "dense":
-      row["ids_equal_dense"], row["max_score_diff"] = agreement(outputs[name], reference)
-    fmt = lambda v, f: "-" if v is None else format(v, f)
-    print(f"{name:>24} {row['median_seconds']:9.3f} {row['temp_bytes'] / 2**20:10.1f} "
-          f"{fmt(row.get('ids_equal_dense'), '11.5f')} {fmt(row.get('max_score_diff'), '9.2e')}",
-          flush=True)
-
+  rows = compare(tokens=args.tokens, dim=args.dim, vocab=args.vocab, k=args.k, dtype=args.dtype,
+                 block_vs=args.block_v, repeats=args.repeats, dense=args.dense)
   os.makedirs(args.out, exist_ok=True)
   result = dict(
       config=vars(args), jax=jax.__version__,
       machine=dict(platform=platform.platform(), cores=os.cpu_count()),
-      rows=list(rows.values()),
+      rows=rows,
   )
   path = os.path.join(args.out, args.name)
   with open(path, "w") as f:

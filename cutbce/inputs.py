@@ -86,17 +86,11 @@ def check_num_items(num_items, vocab: int) -> int:
   return int(num_items)
 
 
-def flatten_inputs(hidden, table, targets, weights=None, bias=None, exclude=None) -> Flat:
-  """Checks shapes and dtypes, flattens leading dims to T tokens.
-
-  Weights get no gradient, and when they are given, the hidden rows of
-  weight-0 positions are replaced by zeros (a `where`, not a product), so a
-  NaN or inf in a dropped position reaches neither the loss nor any gradient.
-  """
-  hidden_shape, table_shape, targets_shape = _shape(hidden), _shape(table), _shape(targets)
+def check_hidden_and_table(hidden, table) -> None:
+  """hidden `[..., D]` and table `[V, D]`: floating, ranks, V >= 1, matching D."""
+  hidden_shape, table_shape = _shape(hidden), _shape(table)
   _check_float("hidden", hidden)
   _check_float("table", table)
-  _check_int("targets", targets)
   if len(hidden_shape) < 2:
     raise ValueError(f"hidden must have shape [..., D] with rank >= 2, got shape {hidden_shape}")
   if len(table_shape) != 2:
@@ -108,6 +102,18 @@ def flatten_inputs(hidden, table, targets, weights=None, bias=None, exclude=None
         f"hidden D={hidden_shape[-1]} (shape {hidden_shape}) != table D={table_shape[-1]} "
         f"(shape {table_shape})"
     )
+
+
+def flatten_inputs(hidden, table, targets, weights=None, bias=None, exclude=None) -> Flat:
+  """Checks shapes and dtypes, flattens leading dims to T tokens.
+
+  Weights get no gradient, and when they are given, the hidden rows of
+  weight-0 positions are replaced by zeros (a `where`, not a product), so a
+  NaN or inf in a dropped position reaches neither the loss nor any gradient.
+  """
+  hidden_shape, table_shape, targets_shape = _shape(hidden), _shape(table), _shape(targets)
+  check_hidden_and_table(hidden, table)
+  _check_int("targets", targets)
   leading = hidden_shape[:-1]
   if len(targets_shape) != len(hidden_shape):
     raise ValueError(

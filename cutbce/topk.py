@@ -141,19 +141,7 @@ def check_args(hidden, table, k, *, bias, exclude, num_items, logit_soft_cap) ->
       num_items or logit_soft_cap out of range.
   """
   hidden_shape, table_shape = tuple(np.shape(hidden)), tuple(np.shape(table))
-  inputs._check_float("hidden", hidden)  # pylint: disable=protected-access
-  inputs._check_float("table", table)  # pylint: disable=protected-access
-  if len(hidden_shape) < 2:
-    raise ValueError(f"hidden must have shape [..., D] with rank >= 2, got shape {hidden_shape}")
-  if len(table_shape) != 2:
-    raise ValueError(f"table must have shape [V, D], got shape {table_shape}")
-  if table_shape[0] < 1:
-    raise ValueError(f"table must hold at least one item, got shape {table_shape}")
-  if hidden_shape[-1] != table_shape[-1]:
-    raise ValueError(
-        f"hidden D={hidden_shape[-1]} (shape {hidden_shape}) != table D={table_shape[-1]} "
-        f"(shape {table_shape})"
-    )
+  inputs.check_hidden_and_table(hidden, table)
   vocab, leading = table_shape[0], hidden_shape[:-1]
   if bias is not None:
     inputs._check_float("bias", bias)  # pylint: disable=protected-access
@@ -215,14 +203,6 @@ def score_tile(hidden, table_tile, bias_tile, soft_cap):
   return jnp.where(scores == 0.0, 0.0, scores)
 
 
-def _rows(array, start, size):
-  if array is None:
-    return None
-  if isinstance(start, int):
-    return lax.slice_in_dim(array, start, start + size, axis=0)
-  return lax.dynamic_slice_in_dim(array, start, size, axis=0)
-
-
 def running_top_k(hidden, table, bias, *, num_rows: int, num_candidates: int,
                   block_v: int, soft_cap: float | None, real_rows=None):
   """Top `num_candidates` of table rows [0, num_rows) per token, by (score desc, id asc).
@@ -243,7 +223,8 @@ def running_top_k(hidden, table, bias, *, num_rows: int, num_candidates: int,
   num_candidates = min(num_candidates, num_rows)
 
   def scores_of(start, size):
-    scores = score_tile(hidden, _rows(table, start, size), _rows(bias, start, size), soft_cap)
+    scores = score_tile(hidden, xla_kernels.slice_rows(table, start, size),
+                        xla_kernels.slice_rows(bias, start, size), soft_cap)
     if real_rows is not None:
       row_ids = start + jnp.arange(size, dtype=jnp.int32)  # [size]
       scores = jnp.where(row_ids[None, :] < real_rows, scores, -jnp.inf)

@@ -89,7 +89,8 @@ def walk_tiles(vocab: int, block_v: int, step, carry, rows=()):
   return carry
 
 
-def _slice_rows(array, start, size):
+def slice_rows(array, start, size):
+  """Rows [start, start + size) of `array` (a static or a dynamic slice); None stays None."""
   if array is None:
     return None
   if isinstance(start, int):
@@ -121,7 +122,7 @@ def forward(hidden, table, bias, *, plan: TilePlan | None, with_counts: bool,
     table, bias = rows
     dense_sum, positive_count = carry
     logits = tile_logits(
-        hidden, _slice_rows(table, start, size), _slice_rows(bias, start, size)
+        hidden, slice_rows(table, start, size), slice_rows(bias, start, size)
     )  # [T, block_v]
     dense_sum = dense_sum + jnp.sum(variants.tile_value(options, logits), axis=-1)
     if with_counts:
@@ -166,8 +167,8 @@ def _sweep(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, 
   def step(carry, rows, start, size):
     table, bias = rows
     dense_sum, positive_count, hidden_grad, table_grad, bias_grad = carry
-    table_tile = _slice_rows(table, start, size)  # [block_v, D]
-    logits = tile_logits(hidden, table_tile, _slice_rows(bias, start, size))
+    table_tile = slice_rows(table, start, size)  # [block_v, D]
+    logits = tile_logits(hidden, table_tile, slice_rows(bias, start, size))
     # d l_t / d x_tv of the background is phi'(x_tv) (sigmoid for plain
     # BCE); scaled by g_t.
     if with_loss:
@@ -188,12 +189,12 @@ def _sweep(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, 
         preferred_element_type=jnp.float32,
     )  # [block_v, D]
     table_grad = _update_rows(
-        table_grad, _slice_rows(table_grad, start, size) + tile_grad, start
+        table_grad, slice_rows(table_grad, start, size) + tile_grad, start
     )
     if bias_grad is not None:
       bias_grad = _update_rows(
           bias_grad,
-          _slice_rows(bias_grad, start, size) + jnp.sum(logit_grad, axis=0),
+          slice_rows(bias_grad, start, size) + jnp.sum(logit_grad, axis=0),
           start,
       )
     return dense_sum, positive_count, hidden_grad, table_grad, bias_grad
@@ -215,7 +216,7 @@ def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePla
   def step(counts, rows, start, size):
     table, bias = rows
     logits = variants.cap(options, tile_logits(
-        hidden, _slice_rows(table, start, size), _slice_rows(bias, start, size)
+        hidden, slice_rows(table, start, size), slice_rows(bias, start, size)
     ))  # [T, block_v]
     item_ids = start + jnp.arange(size, dtype=jnp.int32)  # [block_v]
     larger = logits[:, :, None] > target_logits[:, None, :]  # [T, block_v, L]

@@ -222,6 +222,17 @@ def shard_rows(layout: Layout):
   return offset, real_rows
 
 
+def pad_rows(layout: Layout, table, bias):
+  """Zero rows (and zero bias) from V up to `padded_vocab`, so the vocab axis splits evenly."""
+  extra = layout.padded_vocab - layout.vocab
+  if not extra:
+    return table, bias
+  table = jnp.pad(table, ((0, extra), (0, 0)))
+  if bias is not None:
+    bias = jnp.pad(bias, (0, extra))
+  return table, bias
+
+
 def zero_padding_rows(layout: Layout, real_rows, table, bias):
   """This shard's table and bias with rows at or past `real_rows` set to 0.
 

@@ -61,17 +61,6 @@ def _pack_ids(targets, exclude):
   return jnp.concatenate([targets, exclude.astype(jnp.int32)], axis=-1)
 
 
-def _pad_rows(layout: Layout, table, bias):
-  """Zero rows (and zero bias) up to `padded_vocab`; see the module note."""
-  extra = layout.padded_vocab - layout.vocab
-  if not extra:
-    return table, bias
-  table = jnp.pad(table, ((0, extra), (0, 0)))
-  if bias is not None:
-    bias = jnp.pad(bias, (0, extra))
-  return table, bias
-
-
 def _local_ids(static: _Static, ids, offset):
   """Packed global ids -> (global `SparseIds`, `SparseIds` into this shard)."""
   targets, exclude = layout_lib.split_ids(ids, static.num_targets)
@@ -223,7 +212,7 @@ _sharded_reduced.defvjp(_sharded_reduced_fwd, tiled.reduced_loss_bwd)
 
 def _prepare(layout: Layout, hidden, table, bias, ids):
   """Pads the table and puts every input in its shard_map layout."""
-  table, bias = _pad_rows(layout, table, bias)
+  table, bias = layout_lib.pad_rows(layout, table, bias)
   return (
       layout_lib.place(layout, hidden, layout.token_spec),
       layout_lib.place(layout, table, layout.table_spec),

@@ -34,17 +34,6 @@ from cutbce.sharding import layout as layout_lib
 from cutbce.sharding.layout import Layout
 
 
-def _pad_rows(layout: Layout, table, bias):
-  """Zero rows (and zero bias) up to `padded_vocab`; they are masked in the walk."""
-  extra = layout.padded_vocab - layout.vocab
-  if not extra:
-    return table, bias
-  table = jnp.pad(table, ((0, extra), (0, 0)))
-  if bias is not None:
-    bias = jnp.pad(bias, (0, extra))
-  return table, bias
-
-
 def _pack(scores, ids):
   """float32 scores and int32 ids `[..., k]` -> one int32 `[..., k, 2]` (one collective)."""
   return jnp.stack([lax.bitcast_convert_type(scores, jnp.int32), ids], axis=-1)
@@ -162,7 +151,7 @@ def sharded_top_k(
   block_v = plan.block_v if plan is not None else topk.default_block_v(
       layout.group_tokens(args.hidden.shape[0]), num_rows
   )
-  table_, bias_ = _pad_rows(layout, args.table, args.bias)
+  table_, bias_ = layout_lib.pad_rows(layout, args.table, args.bias)
   token_spec = layout.token_spec
   operands = (
       (layout_lib.place(layout, args.hidden, token_spec), token_spec),
