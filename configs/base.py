@@ -75,6 +75,17 @@ def get_config() -> ml_collections.ConfigDict:
   config.loss = ml_collections.ConfigDict()
   config.loss.backend = "auto"
   config.loss.vocab_reduction = "sum"
+  # Loss variants of `cutbce.cut_bce`, all off by default. Weight of positive
+  # labels (None = 1):
+  config.loss.pos_weight = ml_collections.config_dict.placeholder(float)
+  # Label smoothing e in [0, 1): labels become y (1 - e) + e / 2.
+  config.loss.label_smoothing = 0.0
+  # Soft cap c > 0: logits become c tanh(x / c) (None = no cap).
+  config.loss.logit_soft_cap = ml_collections.config_dict.placeholder(float)
+  # Binary focal loss: exponent gamma >= 0 (None = no focal factor).
+  config.loss.focal_gamma = ml_collections.config_dict.placeholder(float)
+  # Focal class balance alpha in [0, 1] (None = none).
+  config.loss.focal_alpha = ml_collections.config_dict.placeholder(float)
 
   # Evaluation: full-catalog ranks of held-out items.
   config.eval = ml_collections.ConfigDict()

@@ -15,8 +15,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from trainer import checkpoint, config_checks, data as data_lib, evaluate, logs
+from trainer import checkpoint, config_checks, config_schema, data as data_lib, evaluate, logs
 from trainer import train as train_lib
+from trainer.data import prepare as prepare_lib
 
 
 class NonFiniteLossError(RuntimeError):
@@ -25,12 +26,9 @@ class NonFiniteLossError(RuntimeError):
 
 def prepare_data(config, workdir: str) -> data_lib.PreparedDataset:
   """Prepares `config.data` into its folder (process 0) unless already there."""
-  folder = pathlib.Path(config.data.prepared_dir or os.path.join(workdir, "data"))
-  manifest = folder / "manifest.json"
+  folder = pathlib.Path(config_schema.prepared_folder(config.data.prepared_dir, workdir))
   if jax.process_index() == 0:
-    current = data_lib.load_prepared(folder).manifest if manifest.exists() else None
-    if current is None or current["dataset"] != config.data.dataset or str(
-        config.seq_len) not in current.get("train_windows", {}):
+    if not prepare_lib.is_prepared(folder, dataset=config.data.dataset, seq_len=config.seq_len):
       logs.say(f"preparing {config.data.dataset} into {folder}")
       summary = data_lib.prepare_dataset(
           config.data.dataset, folder, min_item_count=config.data.min_item_count,
@@ -56,7 +54,7 @@ class Trainer:
   """Holds what the loop needs between steps (one run of `train_and_evaluate`)."""
 
   def __init__(self, config, workdir: str):
-    config_checks.check_config(config)
+    config_checks.check_config(config, workdir=workdir)
     self.config = config
     self.workdir = workdir
     self.mesh = config_checks.make_mesh(config)
@@ -70,7 +68,8 @@ class Trainer:
     self.settings = train_lib.StepSettings(
         mesh=self.mesh, token_axes=tuple(config.mesh.token_axes),
         vocab_axis=config.mesh.vocab_axis, num_items=num_items, seed=config.seed,
-        backend=config.loss.backend, vocab_reduction=config.loss.vocab_reduction)
+        backend=config.loss.backend, vocab_reduction=config.loss.vocab_reduction,
+        **train_lib.loss_variants(config.loss))
     self.train_step = train_lib.jit_train_step(self.graphdef, tx, schedule, self.settings,
                                                self.shardings)
     eval_settings = self.settings._replace(backend=config.eval.backend)
@@ -110,6 +109,19 @@ class Trainer:
                       ("recall@10", "ndcg@10", "hit@10", "mrr") if name in metrics)
     logs.say(f"eval {split} step {step}: {shown}  ({int(metrics['num_users'])} users)")
     return metrics
+
+
+def non_finite_message(loss: float, grad_norm: float, step: int, last_checkpoint: int | None,
+                       workdir: str) -> str:
+  """The message of `NonFiniteLossError`: the values, the step, where to restart from."""
+  if last_checkpoint is None:
+    restart = (f"No checkpoint was saved yet (none in {workdir}/checkpoints), so a restart "
+               "begins at step 0")
+  else:
+    restart = f"The last good checkpoint is step {last_checkpoint} in {workdir}/checkpoints"
+  return (f"loss {loss} and gradient norm {grad_norm} at step {step} are not finite; "
+          f"stopping. {restart}; lower config.optimizer.learning_rate or "
+          "config.optimizer.clip_norm and restart")
 
 
 def _train_metrics(metrics, sums):
@@ -154,12 +166,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
       trainer.state, metrics = trainer.train_step(trainer.state, batch)
       metrics = jax.device_get(metrics)
       if not bool(metrics["finite"]):
-        raise NonFiniteLossError(
-            f"loss {float(metrics['loss'])} and gradient norm "
-            f"{float(metrics['grad_norm'])} at step {step + 1} are not finite; "
-            f"stopping. The last good checkpoint is step "
-            f"{checkpoint.latest_step(trainer.manager)} in {workdir}/checkpoints; lower "
-            "config.optimizer.learning_rate or config.optimizer.clip_norm and restart")
+        raise NonFiniteLossError(non_finite_message(
+            float(metrics["loss"]), float(metrics["grad_norm"]), step + 1,
+            checkpoint.latest_step(trainer.manager), workdir))
       step += 1
       loss = float(metrics["loss"])
       for name in sums:

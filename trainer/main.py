@@ -4,11 +4,16 @@ Override any config field with `--config.key=value` (for example
 `--config.train_steps=100 --config.mesh.shape='(2,4)'`). On several hosts (or
 several local processes) pass the coordinator flags, or nothing on Cloud TPU
 where `jax.distributed.initialize()` finds the slice by itself.
+
+Every config value is checked (`trainer/config_schema.py`) before data is
+prepared or anything traced; a bad one stops the run with exit status 2 and
+one line `bad config: config.<key>=<value>: <what is allowed>`.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -24,6 +29,43 @@ _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False,
     "Call jax.distributed.initialize() with no arguments (Cloud TPU slices).")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _bad_config(error: Exception) -> NoReturn:
+  print(f"bad config: {error}", file=sys.stderr)
+  sys.exit(2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with mistakes in `--config` and its overrides as one line.
+
+  Unknown override keys, values of the wrong type and a missing config file
+  exit with status 2 and `bad config: ...`; other flag errors as absl does.
+  """
+  from trainer import config_schema  # pylint: disable=import-outside-toplevel
+  try:
+    config_schema.check_overrides(argv)
+    return flags.FLAGS(argv)
+  except config_schema.ConfigError as error:
+    _bad_config(error)
+  except (flags.Error, AttributeError, KeyError) as error:
+    explained = config_schema.explain_flag_error(error, argv)
+    if explained is not None:
+      _bad_config(explained)
+    if not isinstance(error, flags.Error):
+      raise
+    sys.stderr.write(f"FATAL Flags parsing error: {error}\n"
+                     "Pass --helpshort or --helpfull to see help on flags.\n")
+    sys.exit(1)
+
+
+def check_or_exit(config, workdir: str | None) -> None:
+  """`config_checks.check_config`; a problem exits with status 2 and one `bad config:` line."""
+  from trainer import config_checks  # pylint: disable=import-outside-toplevel
+  try:
+    config_checks.check_config(config, workdir=workdir)
+  except config_checks.ConfigError as error:
+    _bad_config(error)
 
 
 def main(argv):
@@ -42,12 +84,12 @@ def main(argv):
     jax.distributed.initialize()
   from trainer import config_checks, loop  # pylint: disable=import-outside-toplevel
   from trainer.data import movielens  # pylint: disable=import-outside-toplevel
+  # Every value, before data preparation and before any trace.
+  check_or_exit(_CONFIG.value, _WORKDIR.value)
   try:
-    result = loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except config_checks.ConfigError as error:
-    logging.error("bad config: %s", error)
-    print(f"bad config: {error}", file=sys.stderr)
-    sys.exit(2)
+    _bad_config(error)
   except (movielens.RegistryUnavailableError, FileNotFoundError) as error:
     # The dataset cannot be had (no registry and no cache, or missing files):
     # one line naming what is missing, not a traceback.
@@ -61,4 +103,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -112,6 +112,21 @@ class StepSettings(NamedTuple):
   seed: int
   backend: str
   vocab_reduction: str
+  # Loss variants of `cutbce.cut_bce` (config.loss); the defaults are plain BCE.
+  pos_weight: float | None = None
+  label_smoothing: float = 0.0
+  logit_soft_cap: float | None = None
+  focal_gamma: float | None = None
+  focal_alpha: float | None = None
+
+
+LOSS_VARIANTS = ("pos_weight", "label_smoothing", "logit_soft_cap", "focal_gamma", "focal_alpha")
+
+
+def loss_variants(loss_config) -> dict:
+  """The StepSettings fields of `config.loss`'s variants (keys absent: off)."""
+  defaults = StepSettings._field_defaults
+  return {name: loss_config.get(name, defaults[name]) for name in LOSS_VARIANTS}
 
 
 def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings):
@@ -123,6 +138,7 @@ def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings
       token_axes=settings.token_axes, vocab_axis=settings.vocab_axis,
       num_items=settings.num_items,
       vocab_reduction=settings.vocab_reduction, return_stats=True, backend=settings.backend,
+      **{name: getattr(settings, name) for name in LOSS_VARIANTS},
   )
   return loss, stats
 

@@ -114,12 +114,12 @@ def test_cli_ml100k_gts(tmp_path, capsys, ml100k_raw):
 
 def test_cli_errors_exit_2(tmp_path, capsys):
   assert cli.main(["--dataset", "imdb", "--out", str(tmp_path)]) == 2
-  assert "unknown dataset 'imdb'" in capsys.readouterr().err
+  assert "bad config: --dataset='imdb': one of 'ml-1m'" in capsys.readouterr().err
   assert cli.main(["--dataset", "yambda", "--out", str(tmp_path)]) == 2
   assert "--yambda-path" in capsys.readouterr().err
   assert cli.main(["--dataset", "synthetic", "--seq-len", "0",
                    "--out", str(tmp_path)]) == 2
-  assert "N must be an integer >= 1, got 0" in capsys.readouterr().err
+  assert "bad config: --seq-len=0: an integer >= 1" in capsys.readouterr().err
   assert not (tmp_path / "manifest.json").exists()
 
 

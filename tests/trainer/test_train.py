@@ -180,3 +180,32 @@ def test_sigterm_to_a_running_process_then_restart(tmp_path, smoke_data_dir):
   assert result.returncode == 0, result.stderr[-2000:]
   assert f"resumed from the checkpoint of step {saved}" in result.stdout
   assert f"step {saved + 5}/{saved + 5}" in result.stdout
+
+
+def test_loss_variants_of_the_config_reach_the_loss(monkeypatch):
+  """config.loss's variants travel through StepSettings into `sharded_cut_bce`."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from configs import smoke  # pylint: disable=import-outside-toplevel
+  config = smoke.get_config()
+  config.loss.label_smoothing, config.loss.focal_gamma = 0.1, 2.0
+  variants = train_lib.loss_variants(config.loss)
+  assert variants == {"pos_weight": None, "label_smoothing": 0.1, "logit_soft_cap": None,
+                      "focal_gamma": 2.0, "focal_alpha": None}
+  seen = {}
+
+  def fake_loss(*args, **kwargs):
+    del args
+    seen.update(kwargs)
+    return np.float32(0.0), None
+
+  monkeypatch.setattr(train_lib.cutbce_sharding, "sharded_cut_bce", fake_loss)
+  model = train_lib.make_model(config.model, num_items=10, seq_len=4, vocab_shards=1, seed=0)
+  graphdef, params = nnx.split(model)
+  settings = train_lib.StepSettings(mesh=None, token_axes=("data",), vocab_axis=None,
+                                    num_items=10, seed=0, backend="xla", vocab_reduction="sum",
+                                    **variants)
+  batch = {"inputs": np.zeros((2, 4), np.int32), "targets": np.zeros((2, 4, 1), np.int32),
+           "weights": np.ones((2, 4), np.float32)}
+  train_lib._loss_and_stats(nnx.to_pure_dict(params), graphdef, batch, jax.random.key(0),
+                            settings)
+  assert {name: seen[name] for name in variants} == variants

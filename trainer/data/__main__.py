@@ -3,7 +3,10 @@
 Prints one JSON line: ``num_users``, ``num_items``, ``num_interactions``,
 ``train_interactions``, ``train_examples`` (training windows of
 ``--seq-len`` inputs), ``validation_examples``, ``test_examples``, and the
-dataset and split names. Exit code 2 with a message on stderr for bad input.
+dataset and split names. Every flag is checked first against ``FLAG_KEYS``
+(a :mod:`trainer.schema` description): a bad one exits with code 2 and one
+line ``bad config: --<flag>=<value>: <what is allowed>``; bad data exits 2
+with ``error: ...``.
 
 Examples::
 
@@ -18,31 +21,97 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from trainer.data import prepare, sources, splits
+from trainer import schema
+from trainer.data import prepare, sources, splits, yambda
+from trainer.schema import FLOAT, INT, STR, above, at_least, key, one_of, unit
+
+_IDS = schema.Range(1, 2**31 - 1)
+
+# Every flag, by its argparse name: type, allowed values, meaning.
+FLAG_KEYS: tuple[schema.Key, ...] = (
+    key("dataset", STR, one_of(*sources.SOURCE_NAMES), "source to prepare"),
+    key("out", STR, None, "output folder"),
+    key("min_item_count", INT, at_least(0), "keep items with >= k interactions", none_ok=True),
+    key("min_user_count", INT, at_least(1), "then keep users with >= k interactions"),
+    key("split", STR, one_of(*splits.SPLITS), "leave-one-out or global temporal split"),
+    key("seq_len", INT, at_least(1), "N, inputs per training window (for the count)"),
+    key("test_window", INT, at_least(1), "gts test window (timestamp units)"),
+    key("validation_window", INT, at_least(0), "gts validation window"),
+    key("gap", INT, at_least(0), "gts gap before each window"),
+    key("cache_dir", STR, None, "MovieLens wheel cache", none_ok=True),
+    key("yambda_path", STR, None, "folder holding the Yambda parquet files", none_ok=True),
+    key("yambda_event", STR, one_of(*yambda.EVENTS), "Yambda event file"),
+    key("min_played_ratio", INT, schema.Range(0, 100), "keep listens with played ratio >= %"),
+    key("num_users", INT, _IDS, "synthetic users"),
+    key("num_items", INT, _IDS, "synthetic catalog size"),
+    key("interactions_per_user", INT, at_least(1), "synthetic mean sequence length"),
+    key("zipf_exponent", FLOAT, above(0), "synthetic Zipf exponent"),
+    key("transition_prob", FLOAT, unit(), "synthetic planted-transition probability"),
+    key("seed", INT, at_least(0), "synthetic seed"),
+)
+
+
+def _yambda_folder_exists(values, context):
+  del context
+  if values["dataset"] != "yambda":
+    return None
+  path = values["yambda_path"]
+  if path is None or not os.path.isdir(os.path.expanduser(path)):
+    return ("an existing folder holding likes/listens/multi_event.parquet "
+            "(required with --dataset yambda)")
+  return None
+
+
+FLAG_RULES: tuple[schema.Rule, ...] = (
+    schema.Rule(name="yambda_folder_exists", keys=("yambda_path", "dataset"),
+                check=_yambda_folder_exists,
+                doc="with --dataset yambda, --yambda-path is an existing folder"),
+)
+
+
+def flag_name(path: str) -> str:
+  """``min_item_count`` -> ``--min-item-count``."""
+  return "--" + path.replace("_", "-")
+
+
+class _Parser(argparse.ArgumentParser):
+  """Raises ``ConfigError`` (one line, the flags named) instead of printing usage."""
+
+  def error(self, message: str):
+    known = ", ".join(flag_name(k.path) for k in FLAG_KEYS)
+    prefix = "unrecognized arguments: "
+    if message.startswith(prefix):
+      raise schema.ConfigError(
+          f"{message[len(prefix):]}: unknown flag; the flags are {known}")
+    raise schema.ConfigError(f"{message}; see python -m trainer.data --help")
 
 
 def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
+  # No `type=`: values arrive as text and `parse_args` types and checks them
+  # with FLAG_KEYS, so a bad one is named with what is allowed.
+  parser = _Parser(
+      allow_abbrev=False,
       prog="python -m trainer.data", description=__doc__.split("\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--dataset", required=True,
                       help=f"one of {', '.join(sources.SOURCE_NAMES)}")
   parser.add_argument("--out", required=True, help="output folder")
-  parser.add_argument("--min-item-count", type=int, default=None,
+  parser.add_argument("--min-item-count", default=None,
                       help="keep items with >= K interactions (default: 5 for "
                       "MovieLens, 1 for Yambda, 0 = whole catalog for "
                       "synthetic)")
-  parser.add_argument("--min-user-count", type=int, default=1)
+  parser.add_argument("--min-user-count", default=1)
   parser.add_argument("--split", default="loo",
                       help=f"one of {', '.join(splits.SPLITS)}")
-  parser.add_argument("--seq-len", type=int, default=200,
+  parser.add_argument("--seq-len", default=200,
                       help="N, inputs per training window (for the count)")
   group = parser.add_argument_group("global temporal split (timestamp units)")
-  group.add_argument("--test-window", type=int, default=86_400)
-  group.add_argument("--validation-window", type=int, default=86_400)
-  group.add_argument("--gap", type=int, default=1_800)
+  group.add_argument("--test-window", default=86_400)
+  group.add_argument("--validation-window", default=86_400)
+  group.add_argument("--gap", default=1_800)
   group = parser.add_argument_group("MovieLens")
   group.add_argument("--cache-dir", default=None,
                      help="wheel cache (default $CUTBCE_DATA or "
@@ -51,14 +120,14 @@ def _parser() -> argparse.ArgumentParser:
   group.add_argument("--yambda-path", default=None,
                      help="folder holding the parquet files")
   group.add_argument("--yambda-event", default="listens")
-  group.add_argument("--min-played-ratio", type=int, default=50)
+  group.add_argument("--min-played-ratio", default=50)
   group = parser.add_argument_group("synthetic")
-  group.add_argument("--num-users", type=int, default=1_000)
-  group.add_argument("--num-items", type=int, default=10_000)
-  group.add_argument("--interactions-per-user", type=int, default=50)
-  group.add_argument("--zipf-exponent", type=float, default=1.0)
-  group.add_argument("--transition-prob", type=float, default=0.5)
-  group.add_argument("--seed", type=int, default=0)
+  group.add_argument("--num-users", default=1_000)
+  group.add_argument("--num-items", default=10_000)
+  group.add_argument("--interactions-per-user", default=50)
+  group.add_argument("--zipf-exponent", default=1.0)
+  group.add_argument("--transition-prob", default=0.5)
+  group.add_argument("--seed", default=0)
   return parser
 
 
@@ -81,8 +150,25 @@ def source_options(args: argparse.Namespace) -> dict:
   return {}
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  """Parses and checks the flags.
+
+  Raises:
+    schema.ConfigError: a flag's value (or a missing or unknown flag),
+      named with what is allowed.
+  """
+  namespace = _parser().parse_args(argv)
+  values = {k.path: schema.from_text(k, getattr(namespace, k.path)) for k in FLAG_KEYS}
+  schema.check(values, FLAG_KEYS, FLAG_RULES, name=flag_name)
+  return argparse.Namespace(**values)
+
+
 def main(argv: list[str] | None = None) -> int:
-  args = _parser().parse_args(argv)
+  try:
+    args = parse_args(argv)
+  except schema.ConfigError as error:
+    print(f"bad config: {error}", file=sys.stderr)
+    return 2
   try:
     split_options = {}
     if args.split == "gts":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 from collections.abc import Mapping
@@ -40,6 +41,18 @@ def summarize(manifest: Mapping, seq_len: int) -> dict:
   summary["seq_len"] = seq_len
   summary["train_examples"] = manifest["train_windows"][str(seq_len)]
   return summary
+
+
+def is_prepared(folder: str | os.PathLike, *, dataset: str, seq_len: int) -> bool:
+  """Whether ``folder`` holds ``dataset`` prepared with the windows of N = ``seq_len``.
+
+  The trainer reuses such a folder as it is (and then needs no raw data).
+  """
+  manifest = pathlib.Path(folder) / storage.MANIFEST
+  if not manifest.is_file():
+    return False
+  current = json.loads(manifest.read_text())
+  return current.get("dataset") == dataset and str(seq_len) in current.get("train_windows", {})
 
 
 def prepare_dataset(dataset: str, out: str | os.PathLike, *,

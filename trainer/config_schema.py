@@ -1,0 +1,396 @@
+"""The trainer config described once: each key's type, range and meaning, and the rules.
+
+`KEYS` lists every key of `configs/base.py` (and the source and split options
+each dataset and split accept); `RULES` the relations between keys. `check`
+validates a config against both before anything runs (no data is read, no
+array made, nothing traced) and raises `schema.ConfigError` with one line,
+
+    config.model.dropout_rate=1.5: a finite number in [0, 1)
+
+The keys table of docs/trainer.md is generated from these entries
+(`python -m trainer.config_schema --update docs/trainer.md`), and a test
+checks that it is current. Adding a config key is one `key(...)` line here
+plus its default (and comment) in `configs/base.py`.
+
+Commands that read a workdir (evaluate, recommend, export; not written yet) can
+reuse `check` on the config saved with the run, and describe their own flags with
+`trainer.schema` keys as `python -m trainer.data` does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from cutbce.api import BACKEND_CHOICES
+from trainer.data import prepare, sources, splits, yambda
+from trainer.schema import (BOOL, FLOAT, INT, INTS, STR, STRS, ConfigError, Rule, above,
+                            at_least, flatten, fraction, key, one_of, sections_of, unit)
+from trainer import schema
+
+__all__ = ["ConfigError", "Context", "KEYS", "RULES", "check", "check_overrides",
+           "explain_flag_error", "markdown", "name", "prepared_folder"]
+
+_SYNTHETIC = ("data.dataset", ("synthetic",))
+_MOVIELENS = ("data.dataset", ("ml-1m", "ml-100k"))
+_YAMBDA = ("data.dataset", ("yambda",))
+_GTS = ("data.split", ("gts",))
+_INT32_IDS = schema.Range(1, 2**31 - 1)
+
+KEYS: tuple[schema.Key, ...] = (
+    key("seed", INT, at_least(0), "seed of parameter init, dropout and the data shuffle"),
+    key("train_steps", INT, at_least(1), "optimizer steps to train for"),
+    key("batch_size", INT, at_least(1), "global training batch (sequences per step)"),
+    key("eval_batch_size", INT, at_least(1), "global evaluation batch (users per step)"),
+    key("seq_len", INT, at_least(1), "N: inputs per training window and evaluation history"),
+    key("num_targets", INT, at_least(1), "L: next items per position used as positive labels"),
+    key("eval_every", INT, at_least(1), "evaluate on `eval.split` every k steps"),
+    key("checkpoint_every", INT, at_least(1), "save a checkpoint every k steps"),
+    key("log_every", INT, at_least(1), "log a progress line every k steps"),
+    key("max_checkpoints", INT, at_least(1), "checkpoints kept (None: all)", none_ok=True),
+    key("mesh.axis_names", STRS, None, "names of the device mesh axes", sequence="distinct"),
+    key("mesh.shape", INTS, at_least(1), "sizes of the mesh axes", sequence="nonempty"),
+    key("mesh.token_axes", STRS, None, "axes splitting the batch (tokens)", sequence="distinct"),
+    key("mesh.vocab_axis", STR, None, "axis splitting the item table by rows (None: replicated)",
+        none_ok=True),
+    key("model.dim", INT, at_least(1), "D: hidden size and item embedding size"),
+    key("model.num_layers", INT, at_least(0), "transformer blocks"),
+    key("model.num_heads", INT, at_least(1), "attention heads per block"),
+    key("model.mlp_dim", INT, at_least(1), "hidden size of each block's feed-forward"),
+    key("model.dropout_rate", FLOAT, fraction(), "dropout probability (attention, blocks)"),
+    key("model.dtype", STR, one_of("float32", "bfloat16"), "compute dtype (params are float32)"),
+    key("optimizer.learning_rate", FLOAT, above(0), "peak learning rate of AdamW"),
+    key("optimizer.warmup_steps", INT, at_least(0), "linear warm-up steps from 0"),
+    key("optimizer.schedule", STR, one_of("constant", "cosine"), "after warm-up: constant, "
+        "or cosine decay to 0 at `train_steps`"),
+    key("optimizer.b1", FLOAT, fraction(), "AdamW first-moment decay"),
+    key("optimizer.b2", FLOAT, fraction(), "AdamW second-moment decay"),
+    key("optimizer.weight_decay", FLOAT, at_least(0), "AdamW weight decay (matrices only)"),
+    key("optimizer.clip_norm", FLOAT, above(0), "gradients clipped to this global norm"),
+    key("data.dataset", STR, one_of(*sources.SOURCE_NAMES), "the `trainer.data` source"),
+    key("data.prepared_dir", STR, None, "folder of the prepared data (None: WORKDIR/data)",
+        none_ok=True),
+    key("data.min_item_count", INT, at_least(0), "keep items with >= k interactions "
+        "(None: 5 for MovieLens, 1 for Yambda, 0 = whole catalog for synthetic)", none_ok=True),
+    key("data.split", STR, one_of(*splits.SPLITS), "leave-one-out or global temporal split"),
+    key("data.num_threads", INT, at_least(0), "grain read threads"),
+    key("data.prefetch_buffer_size", INT, at_least(0), "batches read ahead"),
+    key("data.source_options.num_users", INT, _INT32_IDS, "synthetic users",
+        when=_SYNTHETIC, required=False),
+    key("data.source_options.num_items", INT, _INT32_IDS, "synthetic catalog size V",
+        when=_SYNTHETIC, required=False),
+    key("data.source_options.interactions_per_user", INT, at_least(1),
+        "mean synthetic sequence length", when=_SYNTHETIC, required=False),
+    key("data.source_options.zipf_exponent", FLOAT, above(0), "Zipf exponent of popularity",
+        when=_SYNTHETIC, required=False),
+    key("data.source_options.transition_prob", FLOAT, unit(),
+        "probability that the next item is the planted successor", when=_SYNTHETIC,
+        required=False),
+    key("data.source_options.seed", INT, at_least(0), "seed of the synthetic data",
+        when=_SYNTHETIC, required=False),
+    key("data.source_options.mean_gap_seconds", INT, at_least(1),
+        "mean time between two synthetic events", when=_SYNTHETIC, required=False),
+    key("data.source_options.horizon_seconds", INT, at_least(1),
+        "range of synthetic user start times", when=_SYNTHETIC, required=False),
+    key("data.source_options.cache_dir", STR, None, "wheel cache (None: $CUTBCE_DATA or "
+        "~/.cache/cutbce)", none_ok=True, when=_MOVIELENS, required=False),
+    key("data.source_options.path", STR, None, "folder of the Yambda parquet files",
+        when=_YAMBDA),
+    key("data.source_options.event", STR, one_of(*yambda.EVENTS), "Yambda event file",
+        when=_YAMBDA, required=False),
+    key("data.source_options.min_played_ratio", INT, schema.Range(0, 100),
+        "keep listens with played_ratio_pct >= this", when=_YAMBDA, required=False),
+    key("data.split_options.test_window", INT, at_least(1), "test window (timestamp units)",
+        when=_GTS),
+    key("data.split_options.validation_window", INT, at_least(0),
+        "validation window (0: no validation examples)", when=_GTS),
+    key("data.split_options.gap", INT, at_least(0), "gap before each window", when=_GTS,
+        required=False),
+    key("loss.backend", STR, one_of(*BACKEND_CHOICES), "`cutbce` backend of the loss"),
+    key("loss.vocab_reduction", STR, one_of("mean", "sum"), "l_t divided by V (mean) or not"),
+    key("loss.pos_weight", FLOAT, above(0), "weight of positive labels (None: 1)",
+        none_ok=True),
+    key("loss.label_smoothing", FLOAT, fraction(), "labels y (1 - e) + e / 2"),
+    key("loss.logit_soft_cap", FLOAT, above(0), "logits become c tanh(x / c) (None: off)",
+        none_ok=True),
+    key("loss.focal_gamma", FLOAT, at_least(0), "focal exponent (None: no focal factor)",
+        none_ok=True),
+    key("loss.focal_alpha", FLOAT, unit(), "focal class balance (None: off)", none_ok=True),
+    key("eval.split", STR, one_of("validation", "test"), "split evaluated during training"),
+    key("eval.filter_seen", BOOL, None, "exclude each user's history from the ranking"),
+    key("eval.ks", INTS, at_least(1), "cut-offs of recall, ndcg and hit", sequence="increasing"),
+    key("eval.max_batches", INT, at_least(1), "global batches per evaluation (None: all users)",
+        none_ok=True),
+    key("eval.backend", STR, one_of(*BACKEND_CHOICES), "`cutbce` backend of the ranking"),
+    key("profile.start_step", INT, at_least(0), "first step of the jax.profiler trace"),
+    key("profile.num_steps", INT, at_least(0), "steps traced (0: no trace)"),
+)
+
+_INDEX = {k.path: k for k in KEYS}
+_SECTIONS = sections_of(KEYS)
+
+
+class Context(NamedTuple):
+  """What the rules check a config against besides itself.
+
+  Attributes:
+    device_count: devices the mesh must cover (`jax.device_count()`).
+    process_count: processes of the run (`jax.process_count()`).
+    process_index: this process (only process 0 prepares data).
+    workdir: the run's directory, or None: then the rules that look at files
+      (raw data needed because nothing is prepared yet) are skipped.
+  """
+
+  device_count: int
+  process_count: int = 1
+  process_index: int = 0
+  workdir: str | None = None
+
+
+def name(path: str) -> str:
+  """How messages show a key: as its override flag is spelled, `config.model.dim`."""
+  return "config." + path
+
+
+def prepared_folder(prepared_dir: str | None, workdir: str) -> str:
+  """Where the run's prepared data lives: `prepared_dir`, else WORKDIR/data."""
+  return prepared_dir or os.path.join(workdir, "data")
+
+
+def token_shards(values: Mapping[str, Any]) -> int:
+  """Product of the token axes' sizes (the batch is split into this many shards)."""
+  sizes = dict(zip(values["mesh.axis_names"], values["mesh.shape"]))
+  return math.prod(sizes[axis] for axis in values["mesh.token_axes"])
+
+
+def _mesh_text(values) -> str:
+  return str(dict(zip(values["mesh.axis_names"], values["mesh.shape"])))
+
+
+def _mesh_lengths(values, context):
+  del context
+  if len(values["mesh.shape"]) != len(values["mesh.axis_names"]):
+    return f"one size per name of config.mesh.axis_names={tuple(values['mesh.axis_names'])!r}"
+  return None
+
+
+def _mesh_devices(values, context):
+  shape = tuple(values["mesh.shape"])
+  if math.prod(shape) != context.device_count:
+    return (f"sizes whose product is the {context.device_count} devices present "
+            f"(jax.device_count()); {shape} covers {math.prod(shape)}")
+  return None
+
+
+def _token_axes_in_mesh(values, context):
+  del context
+  names = tuple(values["mesh.axis_names"])
+  if not set(values["mesh.token_axes"]) <= set(names):
+    return f"a non-empty tuple of names of config.mesh.axis_names={names!r}"
+  return None
+
+
+def _vocab_axis_in_mesh(values, context):
+  del context
+  names = tuple(values["mesh.axis_names"])
+  if values["mesh.vocab_axis"] is not None and values["mesh.vocab_axis"] not in names:
+    return f"None or a name of config.mesh.axis_names={names!r}"
+  return None
+
+
+def _divides_token_shards(batch_key: str):
+  def check_rule(values, context):
+    del context
+    shards = token_shards(values)
+    if values[batch_key] % shards:
+      return (f"a multiple of the {shards} shards of the token axes "
+              f"{tuple(values['mesh.token_axes'])} (mesh {_mesh_text(values)})")
+    return None
+  return check_rule
+
+
+def _divides_processes(batch_key: str):
+  def check_rule(values, context):
+    if values[batch_key] % context.process_count:
+      return f"a multiple of the {context.process_count} processes"
+    return None
+  return check_rule
+
+
+def _heads_divide_dim(values, context):
+  del context
+  if values["model.dim"] % values["model.num_heads"]:
+    return f"a multiple of config.model.num_heads={values['model.num_heads']}"
+  return None
+
+
+def _yambda_folder_exists(values, context):
+  if (values["data.dataset"] != "yambda" or context.workdir is None
+      or context.process_index != 0):
+    return None
+  folder = prepared_folder(values.get("data.prepared_dir"), context.workdir)
+  if prepare.is_prepared(folder, dataset="yambda", seq_len=values["seq_len"]):
+    return None  # Prepared already: the raw files are not read.
+  path = os.path.expanduser(values["data.source_options.path"])
+  if not os.path.isdir(path):
+    return (f"an existing folder holding the Yambda parquet files (nothing is prepared "
+            f"in {folder} yet, so the raw files are read)")
+  return None
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(name="mesh_lengths", keys=("mesh.shape", "mesh.axis_names"), check=_mesh_lengths,
+         doc="one size per axis name"),
+    Rule(name="mesh_covers_devices", keys=("mesh.shape",), check=_mesh_devices,
+         doc="the product of the sizes is `jax.device_count()`"),
+    Rule(name="token_axes_in_mesh", keys=("mesh.token_axes", "mesh.axis_names"),
+         check=_token_axes_in_mesh, doc="every token axis is a mesh axis"),
+    Rule(name="vocab_axis_in_mesh", keys=("mesh.vocab_axis", "mesh.axis_names"),
+         check=_vocab_axis_in_mesh, doc="the vocab axis is None or a mesh axis"),
+    Rule(name="batch_divides_token_shards", keys=("batch_size", "mesh.shape", "mesh.token_axes"),
+         check=_divides_token_shards("batch_size"),
+         doc="`batch_size` is a multiple of the product of the token axes' sizes"),
+    Rule(name="eval_batch_divides_token_shards",
+         keys=("eval_batch_size", "mesh.shape", "mesh.token_axes"),
+         check=_divides_token_shards("eval_batch_size"),
+         doc="`eval_batch_size` is a multiple of the product of the token axes' sizes"),
+    Rule(name="batch_divides_processes", keys=("batch_size",),
+         check=_divides_processes("batch_size"),
+         doc="`batch_size` is a multiple of `jax.process_count()`"),
+    Rule(name="eval_batch_divides_processes", keys=("eval_batch_size",),
+         check=_divides_processes("eval_batch_size"),
+         doc="`eval_batch_size` is a multiple of `jax.process_count()`"),
+    Rule(name="heads_divide_dim", keys=("model.dim", "model.num_heads"),
+         check=_heads_divide_dim, doc="`model.dim` is a multiple of `model.num_heads`"),
+    Rule(name="yambda_folder_exists",
+         keys=("data.source_options.path", "data.dataset", "data.prepared_dir"),
+         check=_yambda_folder_exists,
+         doc="for Yambda not yet prepared in the data folder: the parquet folder exists "
+         "(checked by process 0 when the workdir is known)"),
+)
+
+
+def check(config, context: Context) -> None:
+  """Checks every key of `config` and every rule; raises on the first problem.
+
+  Args:
+    config: a ConfigDict of `configs/*.py` (or any nested mapping).
+    context: the devices, processes and workdir the run will have.
+
+  Raises:
+    ConfigError: one line, `config.<key>=<value>: <what is allowed>`.
+  """
+  schema.check(flatten(config, _SECTIONS), KEYS, RULES, context, name=name)
+
+
+# --------------------------------------------------------------------------- #
+# Command-line overrides: mistakes found while absl parses `--config.key=...`  #
+# --------------------------------------------------------------------------- #
+
+
+def overrides(argv: Sequence[str]) -> list[tuple[str, str]]:
+  """`(path, value text)` of every `--config.<path>=<value>` in `argv`."""
+  found = []
+  args = list(argv[1:])
+  for i, arg in enumerate(args):
+    for prefix, negated in (("--config.", False), ("--noconfig.", True)):
+      if arg.startswith(prefix):
+        path, equals, value = arg[len(prefix):].partition("=")
+        if not equals:
+          value = "false" if negated else (args[i + 1] if i + 1 < len(args) and
+                                           not args[i + 1].startswith("-") else "true")
+        found.append((path, value))
+  return found
+
+
+def check_overrides(argv: Sequence[str]) -> None:
+  """Rejects unknown override keys and a missing config file, before absl parses.
+
+  Raises:
+    ConfigError: `config.<key>=<value>: unknown key; config.<section> holds ...`.
+  """
+  for index, arg in enumerate(argv[1:]):
+    if arg == "--config" and index + 2 < len(argv):
+      arg = "--config=" + argv[index + 2]
+    if arg.startswith("--config="):
+      file = arg[len("--config="):]
+      if not os.path.isfile(file) and not os.path.isfile(file.split(":")[0]):
+        raise ConfigError(f"--config={file!r}: an existing config file (configs/*.py)")
+  for path, value in overrides(argv):
+    if path not in _INDEX:
+      what = "a section, not a value" if path in _SECTIONS else "unknown key"
+      raise ConfigError(f"{name(path)}={value!r}: {what}; "
+                        f"{schema.known_keys(path, KEYS, name=name)}")
+
+
+def explain_flag_error(error: BaseException, argv: Sequence[str]) -> ConfigError | None:
+  """The `bad config:` line of an error absl or ml_collections raised on an override.
+
+  Args:
+    error: what parsing the flags raised: an absl `flags.Error` naming the
+      flag (a value of the wrong type), or the AttributeError of a locked
+      config that lacks the key.
+    argv: the command line.
+
+  Returns:
+    A ConfigError naming the key, the value and what is allowed; None when
+    the error is not about a `--config.` override.
+  """
+  message = str(error)
+  for path, value in overrides(argv):
+    k = _INDEX.get(path)
+    if message.startswith((f"flag --config.{path}=", f"flag --noconfig.{path}")):
+      allowed = k.describe() if k else message
+      return ConfigError(f"{name(path)}={value!r}: {allowed}")
+    if isinstance(error, (AttributeError, KeyError)) and repr(path.rsplit(".", 1)[-1]) in message:
+      return ConfigError(
+          f"{name(path)}={value!r}: this config file does not set the key, so the command "
+          f"line cannot add it (the config is locked); set it in the config file")
+  return None
+
+
+# --------------------------------------------------------------------------- #
+# Docs                                                                         #
+# --------------------------------------------------------------------------- #
+
+DOC_BEGIN = "<!-- config keys: generated by `python -m trainer.config_schema`; do not edit -->"
+DOC_END = "<!-- end of config keys -->"
+
+
+def markdown(defaults: Mapping[str, Any] | None = None) -> str:
+  """The docs block: the keys table (defaults of `configs/base.py`) and the rules table."""
+  return "\n".join([DOC_BEGIN, "", schema.markdown_table(KEYS, defaults, name=name), "",
+                    "Rules between keys:", "", schema.rules_table(RULES, name=name), "",
+                    DOC_END])
+
+
+def base_defaults() -> dict[str, Any]:
+  """The flat values of `configs/base.py` (run from the repository root)."""
+  from configs import base  # pylint: disable=import-outside-toplevel
+  return flatten(base.get_config(), _SECTIONS)
+
+
+def replace_block(text: str, block: str) -> str:
+  """`text` with its generated block (DOC_BEGIN ... DOC_END) replaced by `block`."""
+  start, end = text.index(DOC_BEGIN), text.index(DOC_END) + len(DOC_END)
+  return text[:start] + block + text[end:]
+
+
+def main(argv: Sequence[str]) -> int:
+  """Prints the docs block, or with `--update FILE` rewrites it in FILE."""
+  block = markdown(base_defaults())
+  if len(argv) == 3 and argv[1] == "--update":
+    with open(argv[2], encoding="utf-8") as file:
+      text = file.read()
+    with open(argv[2], "w", encoding="utf-8") as file:
+      file.write(replace_block(text, block))
+    return 0
+  print(block)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))
