@@ -5,7 +5,12 @@ The step is the trainer's own (`trainer.train.jit_train_step`: SASRec forward,
 from `configs/yambda50m_v6e8.py` (mesh data=2 x model=4, tokens split over
 both axes, table rows over "model", D = 128, 2 blocks, N = 256, next 8 items
 as labels) with only `loss.backend` changed: "dense" (materialized logits
-under XLA's partitioner) or "xla" (CutBCE's tiled path inside shard_map).
+under XLA's partitioner) or "xla" (CutBCE's tiled path inside shard_map), the
+latter both in one pass (loss and gradients in the forward sweep, the
+default: "cutbce") and in two passes (`config.loss.one_pass=False`:
+"two_pass"). The one-pass residual (an f32 `[V/shards, D]` table gradient per
+device) lives from the loss's forward to the model's backward, so its cost
+shows in the peak, not only in the temporaries.
 Batches are random ids (speed and memory do not depend on the values).
 
 Part 1, V = 131,072, global batch 8 x 256 (one sequence per device; 16 would
@@ -62,10 +67,11 @@ PAPER = {"peak_hbm_gib": {"dense": 22.37, "cutbce": 7.67}, "peak_reduction": 0.6
          "steps_per_s": {"dense": 6.14, "cutbce": 20.01}, "speedup": 3.26,
          "chip": "TPU v6e x 8", "batch": 64, "seq_len": 256, "num_targets": 8,
          "vocab": 876_939}
-VARIANTS = {"dense": "dense", "cutbce": "xla"}
+# name -> (loss.backend, loss.one_pass)
+VARIANTS = {"dense": ("dense", None), "cutbce": ("xla", None), "two_pass": ("xla", False)}
 
 
-def make_config(args, *, batch: int, backend: str):
+def make_config(args, *, batch: int, backend: str, one_pass: bool | None = None):
   config = yambda50m_v6e8.get_config()
   config.batch_size = batch
   config.seq_len = args.seq
@@ -74,6 +80,7 @@ def make_config(args, *, batch: int, backend: str):
   config.model.dtype = args.dtype
   config.model.dropout_rate = 0.1
   config.loss.backend = backend
+  config.loss.one_pass = one_pass
   config.train_steps = 1_000
   return config
 
@@ -100,7 +107,8 @@ class Step:
     settings = train_lib.StepSettings(
         mesh=self.mesh, token_axes=tuple(config.mesh.token_axes),
         vocab_axis=config.mesh.vocab_axis, num_items=num_items, seed=config.seed,
-        backend=config.loss.backend, vocab_reduction=config.loss.vocab_reduction)
+        backend=config.loss.backend, vocab_reduction=config.loss.vocab_reduction,
+        one_pass=config.loss.one_pass)
     self.jitted = train_lib.jit_train_step(self.graphdef, self.tx, self.schedule, settings,
                                            self.shardings)
     self.batch_sharding = train_lib.batch_sharding(self.mesh, config.mesh.token_axes)
@@ -166,8 +174,9 @@ def part_speed(args, out):
   """Both variants at args.vocab: memory, then interleaved timed steps."""
   print(f"\n== V = {args.vocab:,}, global batch {args.batch} x N {args.seq}, L = "
         f"{args.num_targets}, D = {args.dim}, {args.dtype}: interleaved steps ==", flush=True)
-  steps = {name: Step(make_config(args, batch=args.batch, backend=backend), args.vocab)
-           for name, backend in VARIANTS.items()}
+  steps = {name: Step(make_config(args, batch=args.batch, backend=backend, one_pass=one_pass),
+                      args.vocab)
+           for name, (backend, one_pass) in VARIANTS.items()}
   print(f"{'V':>9} {'batch':>5} {'variant':>7} {'temp GiB/dev':>12} {'peak GiB/dev':>12} "
         f"{'compile s':>9}")
   section = {"vocab": args.vocab, "batch": args.batch, "seq_len": args.seq,
@@ -206,9 +215,15 @@ def part_speed(args, out):
   section["peak_reduction"] = round(
       1 - v["cutbce"]["memory"]["peak_bytes_per_device"]
       / v["dense"]["memory"]["peak_bytes_per_device"], 4)
+  section["one_pass_time_ratio_median"] = round(
+      v["cutbce"]["median_s"] / v["two_pass"]["median_s"], 3)
+  section["one_pass_peak_extra_bytes"] = (v["cutbce"]["memory"]["peak_bytes_per_device"]
+                                          - v["two_pass"]["memory"]["peak_bytes_per_device"])
   print(f"cutbce vs dense: {section['speedup_median']:.2f}x steps/s (median), "
         f"{section['speedup_min']:.2f}x (min); temp -{100 * section['temp_reduction']:.1f}%, "
         f"peak -{100 * section['peak_reduction']:.1f}%")
+  print(f"one pass vs two passes: {section['one_pass_time_ratio_median']:.2f}x step time "
+        f"(median), peak {section['one_pass_peak_extra_bytes'] / 2**20:+.1f} MiB/device")
   out["speed"] = section
 
 
@@ -224,8 +239,8 @@ def part_paper(args, out):
              "dim": args.dim, "dtype": args.big_dtype, "memory": {}}
   for batch in sorted({args.paper_batch, args.big_run_batch}, reverse=True):
     rows = section["memory"][str(batch)] = {}
-    for name, backend in VARIANTS.items():
-      step = Step(make_config(big, batch=batch, backend=backend), vocab)
+    for name, (backend, one_pass) in VARIANTS.items():
+      step = Step(make_config(big, batch=batch, backend=backend, one_pass=one_pass), vocab)
       rows[name] = step.compile()
       print(_mem_row(name, vocab, batch, rows[name]), flush=True)
       if batch == args.big_run_batch:
@@ -252,9 +267,12 @@ def part_paper(args, out):
     rows["temp_reduction"] = round(
         1 - cut["temp_bytes_per_device"] / dense["temp_bytes_per_device"], 4)
     rows["peak_saved_gib"] = _gib(dense["peak_bytes_per_device"] - cut["peak_bytes_per_device"])
+    rows["one_pass_peak_extra_gib"] = _gib(
+        cut["peak_bytes_per_device"] - rows["two_pass"]["peak_bytes_per_device"])
     print(f"    batch {batch}: peak -{100 * rows['peak_reduction']:.1f}% "
           f"({rows['peak_saved_gib']:.2f} GiB/dev saved), temp "
-          f"-{100 * rows['temp_reduction']:.1f}%", flush=True)
+          f"-{100 * rows['temp_reduction']:.1f}%; one pass vs two passes: peak "
+          f"{rows['one_pass_peak_extra_gib']:+.3f} GiB/dev", flush=True)
   out["paper_vocab"] = section
 
 

@@ -86,6 +86,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.loss.focal_gamma = ml_collections.config_dict.placeholder(float)
   # Focal class balance alpha in [0, 1] (None = none).
   config.loss.focal_alpha = ml_collections.config_dict.placeholder(float)
+  # Loss and gradients in one tiled pass (None: whenever the reduction allows,
+  # as `cut_bce`'s default; False: two passes, smaller residuals).
+  config.loss.one_pass = ml_collections.config_dict.placeholder(bool)
 
   # Evaluation: full-catalog ranks of held-out items.
   config.eval = ml_collections.ConfigDict()

@@ -119,6 +119,8 @@ KEYS: tuple[schema.Key, ...] = (
     key("loss.focal_gamma", FLOAT, at_least(0), "focal exponent (None: no focal factor)",
         none_ok=True),
     key("loss.focal_alpha", FLOAT, unit(), "focal class balance (None: off)", none_ok=True),
+    key("loss.one_pass", BOOL, None, "loss and gradients in one tiled pass (None: when "
+        "the reduction allows; False: two passes, smaller residuals)", none_ok=True),
     key("eval.split", STR, one_of("validation", "test"), "split evaluated during training"),
     key("eval.filter_seen", BOOL, None, "exclude each user's history from the ranking"),
     key("eval.ks", INTS, at_least(1), "cut-offs of recall, ndcg and hit", sequence="increasing"),

@@ -118,13 +118,15 @@ class StepSettings(NamedTuple):
   logit_soft_cap: float | None = None
   focal_gamma: float | None = None
   focal_alpha: float | None = None
+  one_pass: bool | None = None  # `cut_bce`'s one_pass (None: when the reduction allows)
 
 
-LOSS_VARIANTS = ("pos_weight", "label_smoothing", "logit_soft_cap", "focal_gamma", "focal_alpha")
+LOSS_VARIANTS = ("pos_weight", "label_smoothing", "logit_soft_cap", "focal_gamma",
+                 "focal_alpha", "one_pass")
 
 
 def loss_variants(loss_config) -> dict:
-  """The StepSettings fields of `config.loss`'s variants (keys absent: off)."""
+  """The StepSettings fields of `config.loss`'s variants and `one_pass` (keys absent: off)."""
   defaults = StepSettings._field_defaults
   return {name: loss_config.get(name, defaults[name]) for name in LOSS_VARIANTS}
 

@@ -188,9 +188,10 @@ def test_loss_variants_of_the_config_reach_the_loss(monkeypatch):
   from configs import smoke  # pylint: disable=import-outside-toplevel
   config = smoke.get_config()
   config.loss.label_smoothing, config.loss.focal_gamma = 0.1, 2.0
+  config.loss.one_pass = False
   variants = train_lib.loss_variants(config.loss)
   assert variants == {"pos_weight": None, "label_smoothing": 0.1, "logit_soft_cap": None,
-                      "focal_gamma": 2.0, "focal_alpha": None}
+                      "focal_gamma": 2.0, "focal_alpha": None, "one_pass": False}
   seen = {}
 
   def fake_loss(*args, **kwargs):
