@@ -274,16 +274,23 @@ def known_keys(path: str, keys: Sequence[Key], values: Mapping[str, Any] | None 
     parent = ""
   depth = parent.count(".") + 1 if parent else 0
   children = []
+  conditions = set()
   for k in keys:
     if parent and not k.path.startswith(parent + "."):
       continue
+    conditions.add(k.when[0] if k.when else None)
     if values is not None and not k.applies(values):
       continue
     child = k.path.split(".")[depth]
     if child not in children:
       children.append(child)
   where = name(parent) if parent else "the top level"
-  return f"{where} holds {', '.join(children) or 'nothing'}"
+  text = f"{where} holds {', '.join(children) or 'nothing'}"
+  if values is not None and len(conditions) == 1 and None not in conditions:
+    # A section of options of one choice (the dataset's, the split's): say which.
+    condition = conditions.pop()
+    text += f" when {name(condition)}={values.get(condition)!r}"
+  return text
 
 
 def check(values: Mapping[str, Any], keys: Sequence[Key], rules: Sequence[Rule] = (),

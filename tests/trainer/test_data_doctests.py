@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-MODULES = ["sources", "synthetic", "preprocess", "splits", "pipeline"]
+MODULES = ["sources", "synthetic", "preprocess", "splits", "pipeline", "files", "prepare"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -19,6 +19,7 @@ from trainer.data.prepare import prepare_dataset
 from trainer.data.preprocess import Sequences
 from trainer.data.preprocess import prepare_sequences
 from trainer.data.sources import SOURCE_NAMES
+from trainer.data.sources import DataError
 from trainer.data.sources import Interactions
 from trainer.data.sources import load_interactions
 from trainer.data.splits import Split
@@ -33,7 +34,7 @@ from trainer.data.windows import input_pad_id
 from trainer.data.windows import num_train_windows
 
 __all__ = [
-    "Interactions", "PAD", "PreparedDataset", "SOURCE_NAMES", "Sequences",
+    "DataError", "Interactions", "PAD", "PreparedDataset", "SOURCE_NAMES", "Sequences",
     "Split", "eval_dataset", "global_temporal_split", "input_pad_id",
     "leave_one_out", "load_interactions", "load_prepared", "make_split",
     "num_train_windows", "prepare_dataset", "prepare_sequences",

@@ -4,9 +4,10 @@ Prints one JSON line: ``num_users``, ``num_items``, ``num_interactions``,
 ``train_interactions``, ``train_examples`` (training windows of
 ``--seq-len`` inputs), ``validation_examples``, ``test_examples``, and the
 dataset and split names. Every flag is checked first against ``FLAG_KEYS``
-(a :mod:`trainer.schema` description): a bad one exits with code 2 and one
-line ``bad config: --<flag>=<value>: <what is allowed>``; bad data exits 2
-with ``error: ...``.
+(a :mod:`trainer.schema` description) and ``FLAG_RULES``: a bad one exits
+with code 2 and one line ``bad config: --<flag>=<value>: <what is allowed>``;
+bad data (a missing column, an unreadable time, ...) exits 2 with one line
+``error: ...`` naming the file and the column.
 
 Examples::
 
@@ -15,6 +16,9 @@ Examples::
       --yambda-event listens --split gts --out /data/yambda-50m
   python -m trainer.data --dataset synthetic --num-users 100000 \
       --num-items 1000000 --interactions-per-user 100 --out /data/syn
+  python -m trainer.data --dataset files --path 'logs/*.parquet' \
+      --user-col uid --item-col item_id --time-col timestamp \
+      --filter 'played_ratio_pct>=50' --out /data/mine
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import os
 import sys
 
 from trainer import schema
-from trainer.data import prepare, sources, splits, yambda
+from trainer.data import files, prepare, sources, splits, yambda
 from trainer.schema import FLOAT, INT, STR, above, at_least, key, one_of, unit
 
 _IDS = schema.Range(1, 2**31 - 1)
@@ -45,6 +49,14 @@ FLAG_KEYS: tuple[schema.Key, ...] = (
     key("yambda_path", STR, None, "folder holding the Yambda parquet files", none_ok=True),
     key("yambda_event", STR, one_of(*yambda.EVENTS), "Yambda event file"),
     key("min_played_ratio", INT, schema.Range(0, 100), "keep listens with played ratio >= %"),
+    key("path", STR, None, "files: a file, folder or glob of parquet/CSV/TSV/JSON lines",
+        none_ok=True),
+    key("user_col", STR, None, "files: column of user ids", none_ok=True),
+    key("item_col", STR, None, "files: column of item ids", none_ok=True),
+    key("time_col", STR, None, "files: column of event times", none_ok=True),
+    key("filter", STR, None, "files: keep rows where '<column> <op> <value>' holds",
+        none_ok=True),
+    key("time_unit", STR, one_of(*files.TIME_UNITS), "files: unit of numeric times"),
     key("num_users", INT, _IDS, "synthetic users"),
     key("num_items", INT, _IDS, "synthetic catalog size"),
     key("interactions_per_user", INT, at_least(1), "synthetic mean sequence length"),
@@ -52,6 +64,11 @@ FLAG_KEYS: tuple[schema.Key, ...] = (
     key("transition_prob", FLOAT, unit(), "synthetic planted-transition probability"),
     key("seed", INT, at_least(0), "synthetic seed"),
 )
+
+
+def flag_name(path: str) -> str:
+  """``min_item_count`` -> ``--min-item-count``."""
+  return "--" + path.replace("_", "-")
 
 
 def _yambda_folder_exists(values, context):
@@ -65,16 +82,54 @@ def _yambda_folder_exists(values, context):
   return None
 
 
+def _files_path_matches(values, context):
+  del context
+  if values["dataset"] != "files":
+    return None
+  if values["path"] is None:
+    return "a file, folder or glob of data files (required with --dataset files)"
+  try:
+    files.resolve_files(values["path"])
+  except (FileNotFoundError, ValueError) as error:
+    return f"a file, folder or glob of data files ({error})"
+  return None
+
+
+def _files_column_given(flag: str):
+  def check_rule(values, context):
+    del context
+    if values["dataset"] == "files" and not values[flag]:
+      return "a column name (required with --dataset files)"
+    return None
+  return check_rule
+
+
+def _files_filter_parses(values, context):
+  del context
+  if values["dataset"] != "files" or values["filter"] is None:
+    return None
+  try:
+    files.parse_filter(values["filter"])
+  except ValueError as error:
+    return str(error).split("; ", 1)[-1]
+  return None
+
+
 FLAG_RULES: tuple[schema.Rule, ...] = (
     schema.Rule(name="yambda_folder_exists", keys=("yambda_path", "dataset"),
                 check=_yambda_folder_exists,
                 doc="with --dataset yambda, --yambda-path is an existing folder"),
+    schema.Rule(name="files_path_matches", keys=("path", "dataset"),
+                check=_files_path_matches,
+                doc="with --dataset files, --path names at least one data file"),
+    *(schema.Rule(name=f"files_{flag}_given", keys=(flag, "dataset"),
+                  check=_files_column_given(flag),
+                  doc=f"with --dataset files, {flag_name(flag)} is given")
+      for flag in ("user_col", "item_col", "time_col")),
+    schema.Rule(name="files_filter_parses", keys=("filter", "dataset"),
+                check=_files_filter_parses,
+                doc="with --dataset files, --filter is '<column> <op> <value>'"),
 )
-
-
-def flag_name(path: str) -> str:
-  """``min_item_count`` -> ``--min-item-count``."""
-  return "--" + path.replace("_", "-")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -101,8 +156,8 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--out", required=True, help="output folder")
   parser.add_argument("--min-item-count", default=None,
                       help="keep items with >= K interactions (default: 5 for "
-                      "MovieLens, 1 for Yambda, 0 = whole catalog for "
-                      "synthetic)")
+                      "MovieLens, 1 for Yambda and files, 0 = whole catalog "
+                      "for synthetic)")
   parser.add_argument("--min-user-count", default=1)
   parser.add_argument("--split", default="loo",
                       help=f"one of {', '.join(splits.SPLITS)}")
@@ -121,6 +176,20 @@ def _parser() -> argparse.ArgumentParser:
                      help="folder holding the parquet files")
   group.add_argument("--yambda-event", default="listens")
   group.add_argument("--min-played-ratio", default=50)
+  group = parser.add_argument_group("your own files (--dataset files)")
+  group.add_argument("--path", default=None,
+                     help="a file, a folder or a glob of parquet, CSV, TSV or "
+                     "JSON lines files (quote globs)")
+  group.add_argument("--user-col", default=None, help="column of user ids")
+  group.add_argument("--item-col", default=None, help="column of item ids")
+  group.add_argument("--time-col", default=None, help="column of event times")
+  group.add_argument("--filter", default=None,
+                     help="keep rows where '<column> <op> <value>' holds, op "
+                     "one of >= <= > < == !=, e.g. 'played_ratio_pct>=50'")
+  group.add_argument("--time-unit", default="s",
+                     help=f"one of {', '.join(files.TIME_UNITS)}: what one "
+                     "unit of a numeric time is; timestamps (and --test-window "
+                     "etc.) are counts of it")
   group = parser.add_argument_group("synthetic")
   group.add_argument("--num-users", default=1_000)
   group.add_argument("--num-items", default=10_000)
@@ -141,6 +210,10 @@ def source_options(args: argparse.Namespace) -> dict:
                        "holding likes/listens/multi_event.parquet")
     return {"path": args.yambda_path, "event": args.yambda_event,
             "min_played_ratio": args.min_played_ratio}
+  if args.dataset == "files":
+    return {"path": args.path, "user_col": args.user_col, "item_col": args.item_col,
+            "time_col": args.time_col, "filter": args.filter,
+            "time_unit": args.time_unit}
   if args.dataset == "synthetic":
     return {"num_users": args.num_users, "num_items": args.num_items,
             "interactions_per_user": args.interactions_per_user,
@@ -180,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         min_user_count=args.min_user_count, split=args.split,
         split_options=split_options, source_options=source_options(args),
         seq_lens=(args.seq_len,))
-  except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
-    print(f"error: {error}", file=sys.stderr)
+  except (ValueError, TypeError, OSError, RuntimeError) as error:
+    message = str(error).replace("\n", " ")  # one line, whatever pyarrow said
+    print(f"error: {message}", file=sys.stderr)
     return 2
   print(json.dumps(prepare.summarize(manifest, args.seq_len)), flush=True)
   return 0

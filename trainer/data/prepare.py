@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import pathlib
@@ -13,10 +14,47 @@ from trainer.data import preprocess, sources, splits, storage
 from trainer.data.windows import num_train_windows
 
 # Minimum interactions per item when the caller does not say: the SASRec
-# preparation for MovieLens (>= 5), everything for Yambda, and the whole
-# declared catalog for synthetic data.
-DEFAULT_MIN_ITEM_COUNT: Mapping[str, int] = {
-    "ml-1m": 5, "ml-100k": 5, "yambda": 1, "synthetic": 0}
+# preparation for MovieLens (>= 5), everything for Yambda and your own files,
+# and the whole declared catalog for synthetic data. Other sources: 1.
+class _OneUnlessListed(dict):
+  """A dict whose missing keys read as 1."""
+
+  def __missing__(self, key) -> int:
+    return 1
+
+
+DEFAULT_MIN_ITEM_COUNT: Mapping[str, int] = _OneUnlessListed({
+    "ml-1m": 5, "ml-100k": 5, "yambda": 1, "synthetic": 0, "files": 1})
+# Source options that say where raw data is cached, not what it is: recorded
+# in the manifest, never a reason to prepare again.
+CACHE_OPTIONS = frozenset({"cache_dir"})
+
+
+def default_min_item_count(dataset: str) -> int:
+  """``min_item_count`` of ``dataset`` when none is given (1 if not listed)."""
+  return DEFAULT_MIN_ITEM_COUNT[dataset]
+
+
+def _json_value(value):
+  """``value`` as the manifest stores it (paths as text, tuples as lists)."""
+  return json.loads(json.dumps(value, default=str))
+
+
+def full_source_options(dataset: str, source_options: Mapping | None) -> dict:
+  """``source_options`` completed with the loader's defaults, as JSON values.
+
+  What the manifest records, so that leaving an option out and giving its
+  default are the same preparation.
+
+  Raises:
+    ValueError: unknown dataset.
+  """
+  options = {}
+  for name, parameter in inspect.signature(sources.get_source(dataset)).parameters.items():
+    if parameter.default is not inspect.Parameter.empty:
+      options[name] = parameter.default
+  options.update(dict(source_options or {}))
+  return {k: _json_value(v) for k, v in options.items()}
 
 
 def _max_or_zero(values: np.ndarray) -> int:
@@ -43,16 +81,133 @@ def summarize(manifest: Mapping, seq_len: int) -> dict:
   return summary
 
 
-def is_prepared(folder: str | os.PathLike, *, dataset: str, seq_len: int) -> bool:
+def _read_manifest(folder: str | os.PathLike) -> dict | None:
+  path = pathlib.Path(folder) / storage.MANIFEST
+  return json.loads(path.read_text()) if path.is_file() else None
+
+
+def has_manifest(folder: str | os.PathLike) -> bool:
+  """Whether ``folder`` holds a prepared dataset (of any options)."""
+  return (pathlib.Path(folder) / storage.MANIFEST).is_file()
+
+
+def _split_record(split: str, split_options: Mapping | None) -> dict:
+  """The manifest's ``split`` entries that the options decide."""
+  if split != "gts":
+    return {"kind": split}
+  options = {"gap": 0, **dict(split_options or {})}  # gap's default
+  return {"kind": split, **{k: _json_value(options.get(k)) for k in
+                            ("test_window", "validation_window", "gap")}}
+
+
+def prepared_mismatch(folder: str | os.PathLike, *, dataset: str,
+                      source_options: Mapping | None = None,
+                      min_item_count: int | None = None, min_user_count: int = 1,
+                      split: str = "loo", split_options: Mapping | None = None
+                      ) -> list[str]:
+  """How the dataset prepared in ``folder`` differs from these options.
+
+  Arguments are those of :func:`prepare_dataset` (None: the same defaults).
+  Compared: the dataset, every source option (completed with the loader's
+  defaults; cache folders are not compared), ``min_item_count``,
+  ``min_user_count``, the split and its options. Entries a manifest does not
+  record are not compared. The window length N is not compared: the prepared
+  arrays do not depend on it.
+
+  Returns:
+    One line per difference, ``"min_item_count: prepared 5, asked 1"``;
+    ``["nothing prepared in FOLDER"]`` when it holds no manifest; empty when
+    the folder can be used as it is.
+
+  Example:
+    >>> prepared_mismatch("/no/such/folder", dataset="synthetic")
+    ['nothing prepared in /no/such/folder']
+  """
+  manifest = _read_manifest(folder)
+  if manifest is None:
+    return [f"nothing prepared in {folder}"]
+  differences = []
+
+  def compare(label, prepared, asked):
+    if prepared != asked:
+      differences.append(f"{label}: prepared {prepared!r}, asked {asked!r}")
+
+  compare("dataset", manifest.get("dataset"), dataset)
+  if manifest.get("dataset") != dataset:
+    return differences
+  if "source_options" in manifest:
+    try:
+      prepared = full_source_options(dataset, manifest["source_options"])
+      asked = full_source_options(dataset, source_options)
+    except ValueError:  # a dataset this version does not know
+      prepared, asked = manifest["source_options"], _json_value(dict(source_options or {}))
+    for name in sorted((set(prepared) | set(asked)) - CACHE_OPTIONS):
+      compare(f"source_options.{name}", prepared.get(name), asked.get(name))
+  if "min_item_count" in manifest:
+    compare("min_item_count", manifest["min_item_count"],
+            default_min_item_count(dataset) if min_item_count is None else int(min_item_count))
+  if "min_user_count" in manifest:
+    compare("min_user_count", manifest["min_user_count"], int(min_user_count))
+  if "split" in manifest:
+    asked_split = _split_record(split, split_options)
+    prepared_split = {k: manifest["split"].get(k) for k in asked_split}
+    for name in asked_split:
+      label = "split" if name == "kind" else f"split_options.{name}"
+      compare(label, prepared_split[name], asked_split[name])
+      if name == "kind" and prepared_split[name] != asked_split[name]:
+        break
+  return differences
+
+
+def needs_preparation(folder: str | os.PathLike, *, explicit: bool, dataset: str,
+                      source_options: Mapping | None = None,
+                      min_item_count: int | None = None, min_user_count: int = 1,
+                      split: str = "loo", split_options: Mapping | None = None) -> bool:
+  """Whether the trainer must prepare into ``folder`` before reading it.
+
+  Args:
+    folder: the prepared-data folder of the run.
+    explicit: the folder was chosen by the user (``data.prepared_dir``), not
+      the run's own ``WORKDIR/data``: a dataset prepared there with other
+      options is then an error, never overwritten.
+    dataset, source_options, min_item_count, min_user_count, split,
+      split_options: as for :func:`prepare_dataset`.
+
+  Returns:
+    False when ``folder`` holds this dataset prepared with these options; True
+    when it holds nothing, or (not ``explicit``) another preparation.
+
+  Raises:
+    ValueError: ``explicit`` and ``folder`` holds a dataset prepared with
+      other options; the message lists them.
+  """
+  if not has_manifest(folder):
+    return True
+  differences = prepared_mismatch(
+      folder, dataset=dataset, source_options=source_options,
+      min_item_count=min_item_count, min_user_count=min_user_count, split=split,
+      split_options=split_options)
+  if differences and explicit:
+    raise ValueError(
+        f"{folder} holds data prepared with other options ({'; '.join(differences)}); "
+        "prepare into another folder, delete this one, or leave data.prepared_dir "
+        "unset to prepare into WORKDIR/data")
+  return bool(differences)
+
+
+def is_prepared(folder: str | os.PathLike, *, dataset: str, seq_len: int,
+                **options) -> bool:
   """Whether ``folder`` holds ``dataset`` prepared with the windows of N = ``seq_len``.
 
-  The trainer reuses such a folder as it is (and then needs no raw data).
+  With ``options`` (``source_options``, ``min_item_count``, ...), also that
+  it was prepared with them (see :func:`prepared_mismatch`).
   """
-  manifest = pathlib.Path(folder) / storage.MANIFEST
-  if not manifest.is_file():
+  manifest = _read_manifest(folder)
+  if manifest is None or manifest.get("dataset") != dataset:
     return False
-  current = json.loads(manifest.read_text())
-  return current.get("dataset") == dataset and str(seq_len) in current.get("train_windows", {})
+  if str(seq_len) not in manifest.get("train_windows", {}):
+    return False
+  return not options or not prepared_mismatch(folder, dataset=dataset, **options)
 
 
 def prepare_dataset(dataset: str, out: str | os.PathLike, *,
@@ -70,17 +225,20 @@ def prepare_dataset(dataset: str, out: str | os.PathLike, *,
     dataset: a name of :data:`trainer.data.sources.SOURCE_NAMES`.
     out: output folder.
     min_item_count: see :func:`trainer.data.preprocess.prepare_sequences`;
-      None picks :data:`DEFAULT_MIN_ITEM_COUNT` of the dataset.
+      None picks :func:`default_min_item_count` of the dataset.
     min_user_count: see :func:`trainer.data.preprocess.prepare_sequences`.
     split: ``"loo"`` or ``"gts"``.
     split_options: for ``"gts"``: ``test_window``, ``validation_window``,
       ``gap`` (timestamp units).
-    source_options: passed to the source loader.
+    source_options: passed to the source loader; the manifest records them
+      completed with the loader's defaults.
     seq_lens: training window lengths N whose window counts go in the
       manifest (``train_windows``).
 
   Returns:
-    The manifest written to ``out/manifest.json``.
+    The manifest written to ``out/manifest.json``: counts, and every option
+    that shaped the data (dataset, source options, min counts, split and its
+    options), which :func:`prepared_mismatch` compares.
 
   Raises:
     ValueError, TypeError, FileNotFoundError: bad names, options or data.
@@ -89,12 +247,12 @@ def prepare_dataset(dataset: str, out: str | os.PathLike, *,
   loader = sources.get_source(dataset)
   _check_options(split, seq_lens)
   if min_item_count is None:
-    min_item_count = DEFAULT_MIN_ITEM_COUNT[dataset]
+    min_item_count = default_min_item_count(dataset)
   raw = loader(**dict(source_options or {}))
   return prepare_interactions(
       raw, out, dataset=dataset, min_item_count=min_item_count,
       min_user_count=min_user_count, split=split, split_options=split_options,
-      source_options=source_options, seq_lens=seq_lens)
+      source_options=full_source_options(dataset, source_options), seq_lens=seq_lens)
 
 
 def prepare_interactions(raw: sources.Interactions, out: str | os.PathLike, *,

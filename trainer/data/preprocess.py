@@ -9,7 +9,8 @@ array cut by offsets (CSR):
    each, in that order, as in the SASRec ML-1M preparation; not an iterated
    k-core);
 2. kept ids are remapped densely in increasing raw-id order: users to
-   ``[0, U)``, items to ``[0, V)``;
+   ``[0, U)``, items to ``[0, V)`` (string ids arrive as codes of a sorted
+   vocabulary, so code order is raw-id order);
 3. interactions are sorted by (user, timestamp) with a stable sort, so events
    of a user with equal timestamps keep their file order.
 """
@@ -38,8 +39,9 @@ class Sequences:
     items: int32 ``[n]`` dense item ids in ``[0, V)``.
     timestamps: int64 ``[n]``, non-decreasing within each user.
     offsets: int64 ``[U + 1]``; ``offsets[0] == 0``, ``offsets[U] == n``.
-    user_ids: int64 ``[U]`` raw id of each dense user.
-    item_ids: int64 ``[V]`` raw id of each dense item.
+    user_ids: ``[U]`` raw id of each dense user: int64, or numpy unicode
+      (``<U``) for string ids.
+    item_ids: ``[V]`` raw id of each dense item, the same way.
   """
 
   items: np.ndarray
@@ -187,6 +189,11 @@ def prepare_sequences(interactions: sources.Interactions, *,
     item, user, timestamp = item[order], user[order], timestamp[order]
   counts = np.bincount(user, minlength=user_ids.shape[0])
   offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+  # Codes of a vocabulary -> the raw ids they stand for.
+  if interactions.user_vocab is not None:
+    user_ids = interactions.user_vocab[user_ids]
+  if interactions.item_vocab is not None:
+    item_ids = interactions.item_vocab[item_ids]
   return Sequences(items=np.ascontiguousarray(item, np.int32),
                    timestamps=np.ascontiguousarray(timestamp, np.int64),
                    offsets=offsets, user_ids=user_ids, item_ids=item_ids)

@@ -9,8 +9,15 @@ A prepared dataset is a folder::
   train_lengths.npy      int64 [U]      training prefix length per user
   validation.npy         int64 [K, 4]   (user, history_length, target_start,
   test.npy               int64 [K, 4]    target_end), relative to offsets[user]
-  user_ids.npy           int64 [U]      raw id of each dense user
-  item_ids.npy           int64 [V]      raw id of each dense item
+  user_ids.npy           int64 or <U [U]  raw id of each dense user
+  item_ids.npy           int64 or <U [V]  raw id of each dense item
+
+Raw ids: ``PreparedDataset.item_ids[v]`` is the raw id of dense item ``v``
+(``user_ids[u]`` of dense user ``u``), as the source had it: int64 for integer
+ids, numpy unicode (``<U``, fixed width) for string ids (``.item()`` /
+``.tolist()`` give Python ``int`` / ``str``). Both files load with
+``np.load(path, allow_pickle=False)``, so tools outside the trainer can read
+the id maps.
 
 Arrays are read memory-mapped. Writes are atomic: each file is written under a
 temporary name and renamed, the manifest last, and any previous manifest is
@@ -37,6 +44,14 @@ ARRAYS = {  # name -> (dtype, rank)
     "validation": ("int64", 2), "test": ("int64", 2),
     "user_ids": ("int64", 1), "item_ids": ("int64", 1),
 }
+# Raw-id arrays: int64 as in ARRAYS, or numpy unicode ("<U...") for string ids.
+RAW_ID_ARRAYS = ("user_ids", "item_ids")
+
+
+def _dtype_ok(name: str, dtype: np.dtype) -> bool:
+  if name in RAW_ID_ARRAYS and dtype.kind == "U":
+    return True
+  return dtype == np.dtype(ARRAYS[name][0])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,8 +61,12 @@ class PreparedDataset:
   Attributes:
     path: the folder.
     manifest: the parsed manifest.
-    items, timestamps, offsets, train_lengths, validation, test, user_ids,
-      item_ids: the arrays listed in the module docstring.
+    items, timestamps, offsets, train_lengths, validation, test: the arrays
+      listed in the module docstring.
+    user_ids: ``[U]`` raw id of each dense user (int64, or ``<U`` for string
+      ids): ``user_ids[u]`` is dense user ``u``'s id in the source.
+    item_ids: ``[V]`` raw id of each dense item: ``item_ids[v]`` is dense item
+      ``v``'s id in the source (what recommendations and exports report).
   """
 
   path: pathlib.Path
@@ -106,7 +125,8 @@ def write_prepared(path: str | os.PathLike, arrays: Mapping[str, np.ndarray],
 
   Args:
     path: output folder (created if needed).
-    arrays: every name of :data:`ARRAYS` to its array.
+    arrays: every name of :data:`ARRAYS` to its array (the raw-id arrays
+      may also be numpy unicode ``<U``).
     manifest: JSON-serializable metadata; the array table and format version
       are added.
 
@@ -123,10 +143,12 @@ def write_prepared(path: str | os.PathLike, arrays: Mapping[str, np.ndarray],
   table = {}
   for name, (dtype, rank) in ARRAYS.items():
     array = arrays[name]
-    if array.dtype != np.dtype(dtype) or array.ndim != rank:
+    if not _dtype_ok(name, array.dtype) or array.ndim != rank:
+      expected = f"{dtype} (or <U)" if name in RAW_ID_ARRAYS else dtype
       raise ValueError(f"array {name!r} is {array.dtype} rank {array.ndim}; "
-                       f"expected {dtype} rank {rank}")
-    table[name] = {"file": f"{name}.npy", "dtype": dtype,
+                       f"expected {expected} rank {rank}")
+    table[name] = {"file": f"{name}.npy",
+                   "dtype": str(array.dtype) if array.dtype.kind == "U" else dtype,
                    "shape": list(array.shape)}
   folder.mkdir(parents=True, exist_ok=True)
   remove_manifest(folder)

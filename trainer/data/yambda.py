@@ -1,15 +1,19 @@
 """Yambda (Yandex music) interactions from a local folder of parquet files.
 
 Users download Yambda themselves (e.g. the ``flat/50m`` folder) and pass the
-folder. Files and columns read:
+folder. Yambda is a preset of the ``files`` source (:mod:`trainer.data.files`):
+one file of the folder, its column names and its filter. Files and columns
+read:
 
 * ``likes.parquet``: ``uid``, ``item_id``, ``timestamp``.
 * ``listens.parquet``: the same plus ``played_ratio_pct``; listens below
-  ``min_played_ratio`` percent (50 in the benchmark protocol) are dropped.
+  ``min_played_ratio`` percent (50 in the benchmark protocol) are dropped
+  (the filter ``played_ratio_pct>=<min_played_ratio>``).
 * ``multi_event.parquet``: the same columns; ``played_ratio_pct`` is null for
   events other than listens, and those events are kept.
 
-Id and timestamp columns must have an integer dtype (Yambda uses uint32).
+Yambda's ids and timestamps are integers (uint32); timestamps are read as
+they are (``time_unit="s"``).
 """
 
 from __future__ import annotations
@@ -17,32 +21,14 @@ from __future__ import annotations
 import os
 import pathlib
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from trainer.data import sources
+from trainer.data import files, sources
 
 EVENTS = ("likes", "listens", "multi_event")
-ID_COLUMNS = ("uid", "item_id", "timestamp")
+USER_COLUMN, ITEM_COLUMN, TIME_COLUMN = "uid", "item_id", "timestamp"
+ID_COLUMNS = (USER_COLUMN, ITEM_COLUMN, TIME_COLUMN)
 RATIO_COLUMN = "played_ratio_pct"
-
-
-def _check_schema(schema: pa.Schema, path: pathlib.Path,
-                  required: tuple[str, ...]) -> None:
-  """Raises if a required column is missing or not an integer column."""
-  missing = [name for name in required if name not in schema.names]
-  if missing:
-    raise ValueError(
-        f"{path} lacks columns {missing}; found {schema.names}, expected "
-        f"{list(required)}")
-  for name in required:
-    kind = schema.field(name).type
-    if not pa.types.is_integer(kind):
-      raise TypeError(
-          f"column {name!r} of {path} has type {kind}; expected an integer "
-          "type (uint32, int64, ...)")
 
 
 def load_yambda(path: str | os.PathLike, event: str = "listens",
@@ -59,8 +45,9 @@ def load_yambda(path: str | os.PathLike, event: str = "listens",
     Interactions in file order, ``uid`` as user, ``item_id`` as item.
 
   Raises:
-    ValueError: unknown event, missing folder, file or column, or no rows left.
-    TypeError: an id, timestamp or ratio column that is not integer.
+    FileNotFoundError: missing folder or file.
+    ValueError: unknown event, missing column, or no rows left.
+    TypeError: an id column that holds neither integers nor strings.
   """
   if event not in EVENTS:
     raise ValueError(f"unknown Yambda event {event!r}; expected one of {EVENTS}")
@@ -75,30 +62,12 @@ def load_yambda(path: str | os.PathLike, event: str = "listens",
     raise FileNotFoundError(
         f"{file} not found; the folder holds {found or 'no parquet files'}, "
         f"expected {[e + '.parquet' for e in EVENTS]}")
-  schema = pq.read_schema(file)
-  with_ratio = event == "listens" or (event == "multi_event"
-                                      and RATIO_COLUMN in schema.names)
-  columns = ID_COLUMNS + ((RATIO_COLUMN,) if with_ratio else ())
-  _check_schema(schema, file, columns)
-  table = pq.read_table(file, columns=list(columns))
-  if with_ratio and min_played_ratio > 0:
-    ratio = table[RATIO_COLUMN]
-    keep = pc.greater_equal(ratio, min_played_ratio)
-    if event == "multi_event":  # non-listen events have no ratio: keep them.
-      keep = pc.or_kleene(keep, pc.is_null(ratio))
-    table = table.filter(pc.fill_null(keep, False))
-  if table.num_rows == 0:
-    raise ValueError(
-        f"{file} has no interactions left after filtering with "
-        f"min_played_ratio={min_played_ratio}; expected at least one row")
-  for name in ID_COLUMNS:
-    if table[name].null_count:
-      raise ValueError(f"column {name!r} of {file} has "
-                       f"{table[name].null_count} nulls; expected none")
-
-  def as_int64(name: str) -> np.ndarray:
-    return table[name].to_numpy().astype(np.int64, copy=False)
-
-  return sources.Interactions(
-      user=as_int64("uid"), item=as_int64("item_id"),
-      timestamp=as_int64("timestamp"), name=f"yambda/{event}")
+  with_ratio = event == "listens" or (
+      event == "multi_event" and RATIO_COLUMN in pq.read_schema(file).names)
+  condition = (f"{RATIO_COLUMN}>={int(min_played_ratio)}"
+               if with_ratio and min_played_ratio > 0 else None)
+  return files.read_interactions(
+      [file], user_col=USER_COLUMN, item_col=ITEM_COLUMN, time_col=TIME_COLUMN,
+      filter=condition, time_unit="s",
+      # Non-listen events have no ratio: keep them.
+      filter_keeps_null=event == "multi_event", name=f"yambda/{event}")

@@ -1,0 +1,520 @@
+"""Your own interactions: parquet, CSV, TSV or JSON lines files, any column names.
+
+``load_files(path, user_col, item_col, time_col, filter=None, time_unit="s")``
+reads one table and takes three of its columns: who (``user_col``), what
+(``item_col``) and when (``time_col``). Yambda is this reader with its own
+column names and filter (:mod:`trainer.data.yambda`).
+
+What is read:
+
+* ``path``: a file, a folder (every data file below it, recursively; names
+  starting with ``.`` or ``_`` are skipped) or a glob (``data/*.parquet``,
+  ``logs/**/*.csv``). Several files are one table, concatenated in sorted path
+  order, so events with equal times keep that order.
+* Formats, by file name: ``.parquet`` / ``.pq``; ``.csv``; ``.tsv`` / ``.tab``
+  (tab-separated); ``.jsonl`` / ``.ndjson`` / ``.json`` (JSON lines: one
+  object per line). Text formats may be compressed (``.csv.gz``, ``.bz2``,
+  ``.zst``). CSV and TSV files have a header line.
+* Ids may be integers (>= 0) or strings. Parquet and JSON keep their types; a
+  CSV / TSV id column is read as text and becomes integers when every value is
+  a plain decimal integer without leading zeros (``"17"``; ``"017"`` keeps the
+  column as strings). When files disagree (integers in one, strings in
+  another), the integers are read as their decimal text. Preprocessing keeps
+  the raw ids: ``user_ids.npy`` / ``item_ids.npy`` of the prepared folder are
+  int64 for integer ids and numpy unicode (``<U``) for string ids.
+* Times become int64 counts of ``time_unit`` (``"s"``, ``"ms"``, ``"us"``,
+  ``"ns"``; default ``"s"``): an integer is taken as such a count already; a
+  float too, rounded down (events that then tie keep their file order); a
+  date-time value, a date (midnight) or an ISO-8601 string
+  (``2024-05-01T12:30:00Z``, ``2024-05-01 12:30:00.250``, ``2024-05-01``) is
+  converted to the count since 1970-01-01 UTC, rounded down (strings without a
+  zone offset are taken as UTC). Only the order of events and the windows of
+  the temporal split (given in the same unit) depend on times.
+* ``filter``: one condition ``<column> <op> <literal>`` with ``op`` one of
+  ``>= <= > < == !=`` and a number, a quoted string (``'listen'``), a bare
+  word, or ``true`` / ``false`` for a boolean column
+  (``played_ratio_pct>=50``, ``event_type==listen``). Rows where the column
+  is null are dropped. A numeric literal compares numerically (text columns
+  are read as numbers); a string literal compares text.
+
+Every problem with the data (a missing column, an empty table, a null id, an
+unreadable time) raises :class:`~trainer.data.sources.DataError` (a
+``ValueError``; :class:`~trainer.data.sources.DataTypeError` for a column of
+the wrong type, also a ``TypeError``) naming the file and the column; a path
+that matches nothing raises ``FileNotFoundError``; a malformed ``filter`` or
+``time_unit`` a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import pathlib
+import re
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+
+from trainer.data import sources
+from trainer.data.sources import DataError, DataTypeError
+
+# File name suffix -> format.
+FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv",
+           ".tab": "tsv", ".jsonl": "json", ".ndjson": "json", ".json": "json"}
+# Compression suffixes of text formats (pyarrow decompresses by file name).
+COMPRESSIONS = (".gz", ".bz2", ".zst")
+TIME_UNITS = ("s", "ms", "us", "ns")
+OPERATORS = {">=": "greater_equal", "<=": "less_equal", ">": "greater",
+             "<": "less", "==": "equal", "!=": "not_equal"}
+# Nanoseconds per unit ("D": days, for date columns).
+_NS = {"D": 86_400 * 10**9, "s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}
+# Plain decimal integers that fit int64: text ids read as integers.
+_DECIMAL_ID = r"^(0|[1-9][0-9]{0,17})$"
+# An ISO-8601 time of day followed by a zone (Z, +01:00, -0500).
+_ZONED = r"\d\d:\d\d(:\d\d(\.\d*)?)?([Zz]|[+-]\d\d(:?\d\d)?)$"
+_FILTER = re.compile(r"^\s*([^\s<>=!]+)\s*(>=|<=|==|!=|>|<)\s*(.*?)\s*$")
+_KINDS = "parquet, CSV, TSV or JSON lines"
+
+
+class Filter(NamedTuple):
+  """A parsed ``filter``: ``column op value``.
+
+  Attributes:
+    column: the column compared.
+    op: one of :data:`OPERATORS`.
+    value: the literal: an int or float (numeric comparison) or a str.
+    text: the filter as written, for messages.
+  """
+
+  column: str
+  op: str
+  value: int | float | str
+  text: str
+
+
+def parse_filter(text: str) -> Filter:
+  """Parses ``"<column> <op> <literal>"``.
+
+  Args:
+    text: e.g. ``"played_ratio_pct>=50"`` or ``"event == 'listen'"``.
+
+  Returns:
+    :class:`Filter`; the literal is an int or float when it reads as a finite
+    number (unquoted), else the text (quotes removed).
+
+  Raises:
+    ValueError: not of that form; the message shows the expected form.
+
+  Example:
+    >>> parse_filter("played_ratio_pct >= 50")[:3]
+    ('played_ratio_pct', '>=', 50)
+    >>> parse_filter("event=='listen'").value
+    'listen'
+  """
+  match = _FILTER.match(text) if isinstance(text, str) else None
+  literal = match.group(3) if match else ""
+  quoted = len(literal) >= 2 and literal[0] == literal[-1] and literal[0] in "'\""
+  if not match or not literal or (not quoted and literal[0] in "<>=!"):
+    raise ValueError(
+        f"filter {text!r} is not '<column> <op> <value>'; expected e.g. "
+        f"'played_ratio_pct>=50' or \"event=='listen'\" with op one of "
+        f"{', '.join(OPERATORS)}")
+  column, op = match.group(1), match.group(2)
+  if quoted:
+    return Filter(column, op, literal[1:-1], text)
+  for kind in (int, float):
+    try:
+      number = kind(literal)
+    except ValueError:
+      continue
+    if math.isfinite(number):
+      return Filter(column, op, number, text)
+  return Filter(column, op, literal, text)
+
+
+def file_format(path: str | os.PathLike) -> str | None:
+  """The format of a data file by its name (compression suffix allowed), or None."""
+  name = pathlib.Path(path).name.lower()
+  for compression in COMPRESSIONS:
+    if name.endswith(compression):
+      name = name[:-len(compression)]
+      if pathlib.PurePath(name).suffix in (".parquet", ".pq"):
+        return None  # parquet compresses inside the file
+  return FORMATS.get(pathlib.PurePath(name).suffix)
+
+
+def _data_files(folder: pathlib.Path) -> list[pathlib.Path]:
+  """Data files below ``folder``, sorted, skipping hidden and ``_`` names."""
+  found = []
+  for root, dirs, names in os.walk(folder):
+    dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_")))
+    found += [pathlib.Path(root, n) for n in names
+              if not n.startswith((".", "_")) and file_format(n)]
+  return sorted(found)
+
+
+def resolve_files(path: str | os.PathLike) -> list[pathlib.Path]:
+  """The data files ``path`` names: a file, a folder or a glob.
+
+  Returns:
+    Sorted paths, at least one.
+
+  Raises:
+    FileNotFoundError: nothing matches, or a folder holds no data file.
+    ValueError: a named file of an unknown format.
+  """
+  text = os.path.expanduser(os.fspath(path))
+  if os.path.isfile(text):
+    matches = [text]
+  elif os.path.isdir(text):
+    files = _data_files(pathlib.Path(text))
+    if not files:
+      raise FileNotFoundError(
+          f"folder {text} holds no data files; expected {_KINDS} files "
+          f"({', '.join(FORMATS)})")
+    return files
+  elif glob.has_magic(text):
+    matches = sorted(glob.glob(text, recursive=True))
+    if not matches:
+      raise FileNotFoundError(
+          f"path {text!r} matches no files; expected a file, a folder or a "
+          f"glob matching {_KINDS} files")
+  else:
+    raise FileNotFoundError(
+        f"{text} does not exist; expected a file, a folder or a glob of "
+        f"{_KINDS} files")
+  files = []
+  for match in matches:
+    if os.path.basename(match).startswith((".", "_")):
+      continue  # hidden files and markers such as _SUCCESS
+    if os.path.isdir(match):
+      files += _data_files(pathlib.Path(match))
+    elif file_format(match) is None:
+      raise DataError(
+          f"{match}: unknown file format; expected a name ending in "
+          f"{', '.join(FORMATS)} (text formats optionally + "
+          f"{', '.join(COMPRESSIONS)})")
+    else:
+      files.append(pathlib.Path(match))
+  if not files:
+    raise FileNotFoundError(f"path {text!r} matches no data files ({_KINDS})")
+  return sorted(set(files))
+
+
+# --------------------------------------------------------------------------- #
+# Reading one file                                                             #
+# --------------------------------------------------------------------------- #
+
+
+def _check_columns(names: Sequence[str], file, columns: Sequence[str]) -> None:
+  missing = [c for c in columns if c not in names]
+  if missing:
+    raise DataError(
+        f"{file} lacks columns {missing}; found {list(names)}, expected "
+        f"{list(columns)}")
+
+
+def read_file(file: str | os.PathLike, columns: Sequence[str]) -> pa.Table:
+  """Reads ``columns`` of one data file (CSV / TSV columns as text).
+
+  Raises:
+    DataError: a missing column, or a file its format cannot read.
+  """
+  kind = file_format(file)
+  try:
+    if kind == "parquet":
+      _check_columns(pq.read_schema(file).names, file, columns)
+      return pq.read_table(file, columns=list(columns))
+    if kind in ("csv", "tsv"):
+      parse = pa_csv.ParseOptions(delimiter="," if kind == "csv" else "\t")
+      with pa_csv.open_csv(file, parse_options=parse) as reader:
+        _check_columns(reader.schema.names, file, columns)
+      return pa_csv.read_csv(file, parse_options=parse, convert_options=pa_csv.ConvertOptions(
+          include_columns=list(columns), column_types={c: pa.string() for c in columns},
+          strings_can_be_null=True, null_values=[""]))
+    if kind == "json":
+      table = pa_json.read_json(file)
+      _check_columns(table.column_names, file, columns)
+      return table.select(list(columns))
+  except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as error:
+    raise DataError(f"cannot read {file} as {kind}: {error}") from None
+  raise DataError(f"{file}: unknown file format; expected {', '.join(FORMATS)}")
+
+
+def _decoded(table: pa.Table) -> pa.Table:
+  """``table`` with dictionary-encoded columns (pandas categoricals) decoded."""
+  for index, field in enumerate(table.schema):
+    if pa.types.is_dictionary(field.type):
+      table = table.set_column(index, field.name,
+                               pc.cast(table[index], field.type.value_type))
+  return table
+
+
+def _is_text(kind: pa.DataType) -> bool:
+  return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def apply_filter(table: pa.Table, condition: Filter, file, *,
+                 keep_null: bool = False) -> pa.Table:
+  """Rows of ``table`` where ``condition`` holds (null: dropped, or kept if ``keep_null``).
+
+  Raises:
+    DataError: a text column compared with a number holds a non-number.
+    DataTypeError: a column type the literal cannot be compared with.
+  """
+  column, value = table[condition.column], condition.value
+  kind = column.type
+  where = f"filter {condition.text!r}: column {condition.column!r} of {file}"
+  if pa.types.is_boolean(kind) and str(value).lower() in ("true", "false"):
+    value = str(value).lower() == "true"
+  elif isinstance(value, (int, float)):
+    if _is_text(kind):
+      try:
+        column = pc.cast(column, pa.float64())
+      except pa.ArrowInvalid as error:
+        raise DataError(f"{where} holds text that is not a number ({error}); "
+                        f"expected numbers to compare with {value}") from None
+    elif not (pa.types.is_integer(kind) or pa.types.is_floating(kind)
+              or pa.types.is_decimal(kind)):
+      raise DataTypeError(f"{where} has type {kind}; expected numbers to compare "
+                          f"with {value}")
+  elif not _is_text(kind):
+    raise DataTypeError(f"{where} has type {kind}; expected text to compare with "
+                        f"{value!r} (write a number unquoted to compare numbers)")
+  mask = getattr(pc, OPERATORS[condition.op])(column, value)
+  if keep_null:
+    mask = pc.or_kleene(mask, pc.is_null(column))
+  return table.filter(mask)
+
+
+def id_column(column: pa.ChunkedArray, file, name: str, what: str, *,
+              from_text: bool = False) -> pa.ChunkedArray:
+  """An id column as int64 (integer ids, >= 0) or large_string.
+
+  Args:
+    column: the column as read.
+    file: for messages.
+    name: the column's name.
+    what: ``"user"`` or ``"item"``.
+    from_text: a CSV / TSV column read as text: integers when every value is
+      a plain decimal integer.
+
+  Raises:
+    DataError: nulls, or negative integer ids.
+    DataTypeError: neither integers nor strings.
+  """
+  if column.null_count:
+    raise DataError(
+        f"column {name!r} of {file} has {column.null_count} empty values "
+        f"(nulls); expected a {what} id in every row")
+  kind = column.type
+  if from_text and _is_text(kind) and pc.all(
+      pc.match_substring_regex(column, _DECIMAL_ID)).as_py() is not False:
+    return pc.cast(column, pa.int64())
+  if pa.types.is_integer(kind):
+    try:
+      column = pc.cast(column, pa.int64())
+    except pa.ArrowInvalid as error:
+      raise DataError(f"column {name!r} of {file}: {error}; expected {what} "
+                      "ids that fit int64") from None
+    low = pc.min(column).as_py()
+    if low is not None and low < 0:
+      raise DataError(
+          f"{what} ids must be >= 0, found {low} in column {name!r} of {file}; "
+          "store negative ids as strings")
+    return column
+  if _is_text(kind):
+    return pc.cast(column, pa.large_string())
+  raise DataTypeError(
+      f"column {name!r} of {file} has type {kind}; expected integer or "
+      f"string {what} ids (int64, uint32, string, ...)")
+
+
+def _rescale(counts: np.ndarray, unit: str, time_unit: str, file, name: str) -> np.ndarray:
+  """int64 counts of ``unit`` -> counts of ``time_unit``, rounded down."""
+  source, target = _NS[unit], _NS[time_unit]
+  if source >= target:
+    factor = source // target
+    if counts.size and factor > 1 and int(np.abs(counts).max()) > (2**63 - 1) // factor:
+      raise DataError(f"column {name!r} of {file}: times overflow int64 in "
+                      f"time_unit={time_unit!r}; expected a coarser time_unit")
+    return counts * factor
+  return np.floor_divide(counts, target // source)
+
+
+def _parse_date_times(column: pa.ChunkedArray) -> np.ndarray:
+  """ISO-8601 strings -> int64 ns since the epoch (UTC; no zone: taken as UTC)."""
+  zoned = pc.match_substring_regex(column, _ZONED)
+  naive = pc.cast(pc.if_else(zoned, "1970-01-01", column), pa.timestamp("ns"))
+  aware = pc.cast(pc.if_else(zoned, column, "1970-01-01T00:00:00Z"),
+                  pa.timestamp("ns", "UTC"))
+  return np.where(zoned.to_numpy(zero_copy_only=False),
+                  aware.cast(pa.int64()).to_numpy(), naive.cast(pa.int64()).to_numpy())
+
+
+def _numbers(values: np.ndarray, file, name: str) -> np.ndarray:
+  """Floats -> int64 rounded down; NaN, infinities and huge values rejected."""
+  bad = ~np.isfinite(values) | (np.abs(values) >= 2.0**63)
+  if bad.any():
+    index = int(np.argmax(bad))
+    raise DataError(f"column {name!r} of {file} holds {values[index]!r} at row "
+                    f"{index}; expected finite times")
+  return np.floor(values).astype(np.int64)
+
+
+def time_column(column: pa.ChunkedArray, file, name: str, time_unit: str) -> np.ndarray:
+  """A time column as int64 counts of ``time_unit`` (see the module docstring).
+
+  Raises:
+    DataError: nulls, a value that is no time, or an overflow.
+    DataTypeError: a column type that holds no times.
+  """
+  if column.null_count:
+    raise DataError(f"column {name!r} of {file} has {column.null_count} empty "
+                    "values (nulls); expected a time in every row")
+  kind = column.type
+  if pa.types.is_integer(kind):
+    try:
+      return pc.cast(column, pa.int64()).to_numpy()
+    except pa.ArrowInvalid as error:
+      raise DataError(f"column {name!r} of {file}: {error}") from None
+  if pa.types.is_floating(kind):
+    return _numbers(column.to_numpy().astype(np.float64), file, name)
+  if pa.types.is_timestamp(kind):  # stored as UTC counts of its unit
+    return _rescale(column.cast(pa.int64()).to_numpy(), kind.unit, time_unit, file, name)
+  if pa.types.is_date32(kind):
+    return _rescale(column.cast(pa.int32()).to_numpy().astype(np.int64), "D",
+                    time_unit, file, name)
+  if pa.types.is_date64(kind):
+    return _rescale(column.cast(pa.int64()).to_numpy(), "ms", time_unit, file, name)
+  if not _is_text(kind):
+    raise DataTypeError(f"column {name!r} of {file} has type {kind}; expected "
+                        "integer, float, date-time or ISO-8601 string times")
+  for number in (pa.int64(), pa.float64()):
+    try:
+      values = pc.cast(column, number).to_numpy()
+    except pa.ArrowInvalid:
+      continue
+    return values if number == pa.int64() else _numbers(values, file, name)
+  try:
+    ns = _parse_date_times(column)
+  except pa.ArrowInvalid as error:
+    raise DataError(
+        f"column {name!r} of {file} holds a value that is not a time ({error}); "
+        "expected integers or floats (counts of time_unit), or ISO-8601 "
+        "date-times such as '2024-05-01T12:30:00Z' or '2024-05-01'") from None
+  return _rescale(ns, "ns", time_unit, file, name)
+
+
+# --------------------------------------------------------------------------- #
+# Many files -> Interactions                                                   #
+# --------------------------------------------------------------------------- #
+
+
+def _unify_ids(parts: list[pa.ChunkedArray]) -> pa.ChunkedArray:
+  """One column of the per-file id columns; integers become text when mixed."""
+  if len({part.type for part in parts}) > 1:
+    parts = [pc.cast(part, pa.large_string()) for part in parts]
+  return pa.chunked_array([c for part in parts for c in part.chunks], parts[0].type)
+
+
+def _ids_and_vocab(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray | None]:
+  """int64 ids and no vocabulary, or codes of the sorted distinct strings."""
+  if pa.types.is_integer(column.type):
+    return column.to_numpy(), None
+  distinct = pc.unique(column)
+  vocab = distinct.take(pc.sort_indices(distinct))  # UTF-8 byte = code point order
+  codes = pc.index_in(column, value_set=vocab).to_numpy().astype(np.int64)
+  return codes, np.asarray(vocab.to_numpy(zero_copy_only=False), dtype=str)
+
+
+def read_interactions(  # pylint: disable=redefined-builtin
+    files: Sequence[str | os.PathLike], *, user_col: str, item_col: str, time_col: str,
+    filter: str | None = None, time_unit: str = "s", filter_keeps_null: bool = False,
+    name: str = "") -> sources.Interactions:
+  """Reads ``files`` as one table of interactions (the reader of :func:`load_files`).
+
+  Args:
+    files: data files, read in this order.
+    user_col, item_col, time_col, filter, time_unit: see :func:`load_files`.
+    filter_keeps_null: keep rows whose filter column is null (Yambda's
+      multi-event file, where only listens have a played ratio).
+    name: recorded as :attr:`Interactions.name`.
+
+  Returns:
+    :class:`~trainer.data.sources.Interactions` in file order; string ids as
+    codes with ``user_vocab`` / ``item_vocab``.
+
+  Raises:
+    DataError, DataTypeError, ValueError: see :func:`load_files`.
+  """
+  if time_unit not in TIME_UNITS:
+    raise ValueError(f"time_unit {time_unit!r} is unknown; expected one of {TIME_UNITS}")
+  for label, column in (("user_col", user_col), ("item_col", item_col), ("time_col", time_col)):
+    if not isinstance(column, str) or not column:
+      raise ValueError(f"{label}={column!r}: expected a column name")
+  condition = parse_filter(filter) if filter is not None else None
+  columns = list(dict.fromkeys(
+      [user_col, item_col, time_col] + ([condition.column] if condition else [])))
+  users, items, times = [], [], []
+  rows = 0
+  for file in files:
+    table = _decoded(read_file(file, columns))
+    rows += table.num_rows
+    if condition is not None:
+      table = apply_filter(table, condition, file, keep_null=filter_keeps_null)
+    from_text = file_format(file) in ("csv", "tsv")
+    users.append(id_column(table[user_col], file, user_col, "user", from_text=from_text))
+    items.append(id_column(table[item_col], file, item_col, "item", from_text=from_text))
+    times.append(time_column(table[time_col], file, time_col, time_unit))
+  where = str(files[0]) if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+  if rows == 0:
+    raise DataError(f"{where} has no rows; expected at least one interaction")
+  timestamp = np.concatenate(times).astype(np.int64, copy=False)
+  if timestamp.shape[0] == 0:
+    raise DataError(f"{where} has no interactions left after filter {filter!r} "
+                    f"({rows} rows read); expected at least one row to pass")
+  user, user_vocab = _ids_and_vocab(_unify_ids(users))
+  del users
+  item, item_vocab = _ids_and_vocab(_unify_ids(items))
+  return sources.Interactions(user=user, item=item, timestamp=timestamp, name=name,
+                              user_vocab=user_vocab, item_vocab=item_vocab)
+
+
+def load_files(path: str | os.PathLike, user_col: str, item_col: str, time_col: str,
+               filter: str | None = None,  # pylint: disable=redefined-builtin
+               time_unit: str = "s") -> sources.Interactions:
+  """Loads interactions from your own files (the ``files`` source).
+
+  Args:
+    path: a file, a folder or a glob of parquet, CSV, TSV or JSON lines files.
+    user_col: the column of user ids (integers >= 0 or strings).
+    item_col: the column of item ids (integers >= 0 or strings).
+    time_col: the column of event times (numbers, date-times, ISO-8601).
+    filter: None, or one condition such as ``"played_ratio_pct>=50"``; rows
+      where it does not hold (or its column is null) are dropped.
+    time_unit: ``"s"``, ``"ms"``, ``"us"`` or ``"ns"``: what one unit of a
+      numeric time is, and the unit of the int64 timestamps (and of the
+      temporal split's windows).
+
+  Returns:
+    :class:`~trainer.data.sources.Interactions` in file order.
+
+  Raises:
+    FileNotFoundError: ``path`` matches no data file.
+    DataError: a missing column, an empty table, a null or bad id, an
+      unreadable time; the message names the file and the column.
+    DataTypeError: a column whose type holds no ids or times.
+    ValueError: a malformed ``filter`` or unknown ``time_unit``.
+  """
+  files = resolve_files(path)
+  return read_interactions(files, user_col=user_col, item_col=item_col,
+                           time_col=time_col, filter=filter, time_unit=time_unit,
+                           name=f"files:{os.fspath(path)}")
