@@ -53,12 +53,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.clip_norm = 1.0
 
   # Data: a `trainer.data` source, prepared once into `prepared_dir`
-  # (default WORKDIR/data; reused when its manifest exists).
+  # (default WORKDIR/data; reused when its manifest records the same source,
+  # options, min counts and split).
   config.data = ml_collections.ConfigDict()
   config.data.dataset = "synthetic"
   config.data.prepared_dir = ml_collections.config_dict.placeholder(str)
   # Keyword options of the source loader (sizes and seed for synthetic, path
-  # for yambda, cache_dir for MovieLens).
+  # for yambda, cache_dir for MovieLens, path and column names for files); a
+  # command-line override may add any option the source documents.
   config.data.source_options = ml_collections.ConfigDict(
       {"num_users": 2_000, "num_items": 1_000, "interactions_per_user": 30, "seed": 0})
   # None = the dataset's default filter (5 for MovieLens, none for synthetic).
@@ -107,8 +109,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_every = 500
   config.checkpoint_every = 500
   config.log_every = 50
-  # Checkpoints kept (the newest ones).
+  # Checkpoints kept (the newest ones; the best one below is kept beside them).
   config.max_checkpoints = 2
+  # Also keep the checkpoint with the best value of this metric of the
+  # periodic evaluations ("mrr", or "recall@k", "ndcg@k", "hit@k" with k in
+  # eval.ks; None = only the newest ones). The commands after training
+  # (trainer.evaluate, recommend, export) read the best one by default.
+  config.checkpoint = ml_collections.ConfigDict()
+  config.checkpoint.best_metric = "ndcg@10"
   # jax.profiler trace of steps [start, start + num_steps) into WORKDIR/profile;
   # num_steps = 0 disables it.
   config.profile = ml_collections.ConfigDict({"start_step": 10, "num_steps": 0})

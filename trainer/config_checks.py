@@ -30,13 +30,46 @@ def check_config(config, device_count: int | None = None, *, workdir: str | None
     workdir: the run's directory; when given, the raw data that will have to
       be read is checked to exist (process 0).
 
+  A -1 in `config.mesh.shape` is replaced, in place, by the devices the
+  other axes leave (`fill_mesh_shape`).
+
   Raises:
     ConfigError: the first problem found, explained in one line.
   """
+  device_count = jax.device_count() if device_count is None else device_count
+  fill_mesh_shape(config, device_count)
   context = config_schema.Context(
-      device_count=jax.device_count() if device_count is None else device_count,
+      device_count=device_count,
       process_count=jax.process_count(), process_index=jax.process_index(), workdir=workdir)
   config_schema.check(config, context)
+
+
+def fill_mesh_shape(config, device_count: int) -> None:
+  """Replaces a -1 in `config.mesh.shape` by `device_count` / (product of the others).
+
+  `mesh.shape = (-1,)` is all devices on one axis; `(-1, 4)` puts 4 on the
+  second axis and the rest on the first, whatever the slice size.
+
+  Raises:
+    ConfigError: more than one -1, or the other sizes do not divide the
+      device count.
+  """
+  mesh = config.get("mesh") if hasattr(config, "get") else None
+  shape = mesh.get("shape") if hasattr(mesh, "get") else None
+  if not isinstance(shape, (tuple, list)) or -1 not in shape:
+    return  # nothing to fill, or not a mesh: the schema explains
+  shape = tuple(shape)
+  if shape.count(-1) > 1:
+    raise ConfigError(f"config.mesh.shape={shape}: at most one size may be -1 (filled from "
+                      "the device count)")
+  known = [size for size in shape if size != -1]
+  if not all(isinstance(size, int) and size >= 1 for size in known):
+    return  # the schema names the bad size
+  rest = math.prod(known)
+  if device_count % rest:
+    raise ConfigError(f"config.mesh.shape={shape}: the sizes besides -1 multiply to {rest}, "
+                      f"which does not divide the {device_count} devices present")
+  mesh["shape"] = tuple(device_count // rest if size == -1 else size for size in shape)
 
 
 def token_shard_count(config) -> int:

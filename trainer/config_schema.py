@@ -12,9 +12,10 @@ The keys table of docs/trainer.md is generated from these entries
 checks that it is current. Adding a config key is one `key(...)` line here
 plus its default (and comment) in `configs/base.py`.
 
-Commands that read a workdir (evaluate, recommend, export; not written yet) can
-reuse `check` on the config saved with the run, and describe their own flags with
-`trainer.schema` keys as `python -m trainer.data` does.
+The commands that read a workdir (`trainer.evaluate`, `trainer.recommend`,
+`trainer.export`) check the config saved with the run with `check`, and their
+flags are described here too (`COMMAND_FLAGS`, `COMMAND_RULES`; parsed by
+`trainer/commands.py`), in the docs table with the config keys.
 """
 
 from __future__ import annotations
@@ -25,18 +26,22 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from etils import epath
+
 from cutbce.api import BACKEND_CHOICES
-from trainer.data import prepare, sources, splits, yambda
+from trainer.data import files, prepare, sources, splits, yambda
 from trainer.schema import (BOOL, FLOAT, INT, INTS, STR, STRS, ConfigError, Rule, above,
                             at_least, flatten, fraction, key, one_of, sections_of, unit)
 from trainer import schema
 
-__all__ = ["ConfigError", "Context", "KEYS", "RULES", "check", "check_overrides",
-           "explain_flag_error", "markdown", "name", "prepared_folder"]
+__all__ = ["COMMAND_FLAGS", "COMMAND_FLAG_DEFAULTS", "COMMAND_RULES", "ConfigError", "Context",
+           "KEYS", "RULES", "check", "check_overrides", "explain_flag_error", "markdown",
+           "metric_names", "name", "prepared_folder"]
 
 _SYNTHETIC = ("data.dataset", ("synthetic",))
 _MOVIELENS = ("data.dataset", ("ml-1m", "ml-100k"))
 _YAMBDA = ("data.dataset", ("yambda",))
+_FILES = ("data.dataset", ("files",))
 _GTS = ("data.split", ("gts",))
 _INT32_IDS = schema.Range(1, 2**31 - 1)
 
@@ -50,9 +55,14 @@ KEYS: tuple[schema.Key, ...] = (
     key("eval_every", INT, at_least(1), "evaluate on `eval.split` every k steps"),
     key("checkpoint_every", INT, at_least(1), "save a checkpoint every k steps"),
     key("log_every", INT, at_least(1), "log a progress line every k steps"),
-    key("max_checkpoints", INT, at_least(1), "checkpoints kept (None: all)", none_ok=True),
+    key("max_checkpoints", INT, at_least(1), "latest checkpoints kept (None: all); the best "
+        "one (`checkpoint.best_metric`) is kept beside them", none_ok=True),
+    key("checkpoint.best_metric", STR, None, "also keep the checkpoint with the best value of "
+        "this validation metric: 'mrr', or 'recall@k', 'ndcg@k', 'hit@k' with k in "
+        "`eval.ks` (None: keep the latest ones only)", none_ok=True),
     key("mesh.axis_names", STRS, None, "names of the device mesh axes", sequence="distinct"),
-    key("mesh.shape", INTS, at_least(1), "sizes of the mesh axes", sequence="nonempty"),
+    key("mesh.shape", INTS, at_least(1), "sizes of the mesh axes (one may be -1: the "
+        "devices the others leave)", sequence="nonempty"),
     key("mesh.token_axes", STRS, None, "axes splitting the batch (tokens)", sequence="distinct"),
     key("mesh.vocab_axis", STR, None, "axis splitting the item table by rows (None: replicated)",
         none_ok=True),
@@ -74,7 +84,8 @@ KEYS: tuple[schema.Key, ...] = (
     key("data.prepared_dir", STR, None, "folder of the prepared data (None: WORKDIR/data)",
         none_ok=True),
     key("data.min_item_count", INT, at_least(0), "keep items with >= k interactions "
-        "(None: 5 for MovieLens, 1 for Yambda, 0 = whole catalog for synthetic)", none_ok=True),
+        "(None: 5 for MovieLens, 1 for Yambda and files, 0 = whole catalog for synthetic)",
+        none_ok=True),
     key("data.split", STR, one_of(*splits.SPLITS), "leave-one-out or global temporal split"),
     key("data.num_threads", INT, at_least(0), "grain read threads"),
     key("data.prefetch_buffer_size", INT, at_least(0), "batches read ahead"),
@@ -97,12 +108,25 @@ KEYS: tuple[schema.Key, ...] = (
         "range of synthetic user start times", when=_SYNTHETIC, required=False),
     key("data.source_options.cache_dir", STR, None, "wheel cache (None: $CUTBCE_DATA or "
         "~/.cache/cutbce)", none_ok=True, when=_MOVIELENS, required=False),
-    key("data.source_options.path", STR, None, "folder of the Yambda parquet files",
-        when=_YAMBDA),
+    key("data.source_options.path", STR, None, "yambda: folder of the parquet files; files: "
+        "a file, folder or glob of parquet, CSV, TSV or JSON lines files",
+        when=("data.dataset", ("yambda", "files"))),
     key("data.source_options.event", STR, one_of(*yambda.EVENTS), "Yambda event file",
         when=_YAMBDA, required=False),
     key("data.source_options.min_played_ratio", INT, schema.Range(0, 100),
         "keep listens with played_ratio_pct >= this", when=_YAMBDA, required=False),
+    key("data.source_options.user_col", STR, None, "column of user ids (integers or strings)",
+        when=_FILES),
+    key("data.source_options.item_col", STR, None, "column of item ids (integers or strings)",
+        when=_FILES),
+    key("data.source_options.time_col", STR, None, "column of event times (numbers, "
+        "date-times or ISO-8601 strings)", when=_FILES),
+    key("data.source_options.filter", STR, None, "keep rows where '<column> <op> <value>' "
+        "holds, op one of >= <= > < == != (None: every row)", none_ok=True, when=_FILES,
+        required=False),
+    key("data.source_options.time_unit", STR, one_of(*files.TIME_UNITS), "what one unit of a "
+        "numeric time is; timestamps and split windows are counts of it", when=_FILES,
+        required=False),
     key("data.split_options.test_window", INT, at_least(1), "test window (timestamp units)",
         when=_GTS),
     key("data.split_options.validation_window", INT, at_least(0),
@@ -229,17 +253,95 @@ def _heads_divide_dim(values, context):
   return None
 
 
-def _yambda_folder_exists(values, context):
-  if (values["data.dataset"] != "yambda" or context.workdir is None
-      or context.process_index != 0):
+def _options(values, section: str) -> dict[str, Any]:
+  """The `data.<section>.*` values as the loader's (or split's) keyword options."""
+  prefix = f"data.{section}."
+  return {path[len(prefix):]: v for path, v in values.items() if path.startswith(prefix)}
+
+
+def prepared_differences(values: Mapping[str, Any], workdir: str) -> list[str]:
+  """How the run's data folder differs from the flat config `values` ([]: use it as is).
+
+  See `trainer.data.prepare.prepared_mismatch`.
+  """
+  folder = prepared_folder(values.get("data.prepared_dir"), workdir)
+  return prepare.prepared_mismatch(
+      folder, dataset=values["data.dataset"], source_options=_options(values, "source_options"),
+      min_item_count=values.get("data.min_item_count"), split=values["data.split"],
+      split_options=_options(values, "split_options"))
+
+
+def _why_raw_data_is_read(values, context) -> str | None:
+  """None when the prepared data is used as it is (or files are not looked at), else why not."""
+  if context.workdir is None or context.process_index != 0:
     return None
   folder = prepared_folder(values.get("data.prepared_dir"), context.workdir)
-  if prepare.is_prepared(folder, dataset="yambda", seq_len=values["seq_len"]):
-    return None  # Prepared already: the raw files are not read.
+  if not prepare.has_manifest(folder):
+    return f"nothing is prepared in {folder} yet, so the raw files are read"
+  if prepared_differences(values, context.workdir):
+    return f"the data in {folder} was prepared with other options, so the raw files are read"
+  return None  # Prepared already: the raw files are not read.
+
+
+def _yambda_folder_exists(values, context):
+  if values["data.dataset"] != "yambda":
+    return None
+  why = _why_raw_data_is_read(values, context)
   path = os.path.expanduser(values["data.source_options.path"])
-  if not os.path.isdir(path):
-    return (f"an existing folder holding the Yambda parquet files (nothing is prepared "
-            f"in {folder} yet, so the raw files are read)")
+  if why is not None and not os.path.isdir(path):
+    return f"an existing folder holding the Yambda parquet files ({why})"
+  return None
+
+
+def _files_path_matches(values, context):
+  if values["data.dataset"] != "files":
+    return None
+  why = _why_raw_data_is_read(values, context)
+  if why is None:
+    return None
+  try:
+    files.resolve_files(values["data.source_options.path"])
+  except (FileNotFoundError, ValueError) as error:
+    return f"a file, folder or glob of data files ({why}): {error}"
+  return None
+
+
+def _files_filter_parses(values, context):
+  del context
+  text = values.get("data.source_options.filter")
+  if values["data.dataset"] != "files" or text is None:
+    return None
+  try:
+    files.parse_filter(text)
+  except ValueError as error:
+    return "None or " + str(error).split("; ", 1)[-1]
+  return None
+
+
+def _prepared_dir_matches(values, context):
+  if (values.get("data.prepared_dir") is None or context.workdir is None
+      or context.process_index != 0):
+    return None
+  if not prepare.has_manifest(values["data.prepared_dir"]):
+    return None  # Prepared there by this run.
+  differences = prepared_differences(values, context.workdir)
+  if differences:
+    return ("a folder holding nothing yet or this data prepared with these options; it was "
+            f"prepared with other options ({'; '.join(differences)}): use another folder, "
+            "delete it, or leave config.data.prepared_dir unset (WORKDIR/data)")
+  return None
+
+
+def metric_names(ks) -> tuple[str, ...]:
+  """The names `cutbce.rank_metrics` returns for cut-offs `ks` (all higher-better)."""
+  return tuple(f"{m}@{k}" for m in ("recall", "ndcg", "hit") for k in ks) + ("mrr",)
+
+
+def _best_metric_is_evaluated(values, context):
+  del context
+  metric = values.get("checkpoint.best_metric")
+  if metric is not None and metric not in metric_names(values["eval.ks"]):
+    return f"None or one of {', '.join(map(repr, metric_names(values['eval.ks'])))}"
   return None
 
 
@@ -272,6 +374,21 @@ RULES: tuple[Rule, ...] = (
          check=_yambda_folder_exists,
          doc="for Yambda not yet prepared in the data folder: the parquet folder exists "
          "(checked by process 0 when the workdir is known)"),
+    Rule(name="files_path_matches",
+         keys=("data.source_options.path", "data.dataset", "data.prepared_dir"),
+         check=_files_path_matches,
+         doc="for files not yet prepared in the data folder: the path names at least one "
+         "data file (checked by process 0 when the workdir is known)"),
+    Rule(name="files_filter_parses", keys=("data.source_options.filter", "data.dataset"),
+         check=_files_filter_parses, doc="the files filter is '<column> <op> <value>'"),
+    Rule(name="prepared_dir_matches",
+         keys=("data.prepared_dir", "data.dataset", "data.min_item_count", "data.split"),
+         check=_prepared_dir_matches,
+         doc="an explicit `data.prepared_dir` that holds a prepared dataset holds this one, "
+         "prepared with these options (checked by process 0 when the workdir is known)"),
+    Rule(name="best_metric_is_evaluated", keys=("checkpoint.best_metric", "eval.ks"),
+         check=_best_metric_is_evaluated,
+         doc="`checkpoint.best_metric` is a metric the evaluation computes (k in `eval.ks`)"),
 )
 
 
@@ -324,8 +441,84 @@ def check_overrides(argv: Sequence[str]) -> None:
   for path, value in overrides(argv):
     if path not in _INDEX:
       what = "a section, not a value" if path in _SECTIONS else "unknown key"
-      raise ConfigError(f"{name(path)}={value!r}: {what}; "
-                        f"{schema.known_keys(path, KEYS, name=name)}")
+      known = (source_options_by_dataset() if path.startswith("data.source_options.")
+               else schema.known_keys(path, KEYS, name=name))
+      raise ConfigError(f"{name(path)}={value!r}: {what}; {known}")
+  _add_option_keys_when_parsed(argv)
+
+
+def source_options_by_dataset() -> str:
+  """`config.data.source_options holds, by config.data.dataset: 'ml-1m': cache_dir; ...`."""
+  by_dataset: dict[str, list[str]] = {dataset: [] for dataset in sources.SOURCE_NAMES}
+  for k in KEYS:
+    if k.path.startswith("data.source_options."):
+      for dataset in k.when[1]:
+        by_dataset[dataset].append(k.path.rsplit(".", 1)[1])
+  listed = "; ".join(f"{d!r}: {', '.join(names) or 'nothing'}" for d, names in by_dataset.items())
+  return f"{name('data.source_options')} holds, by {name('data.dataset')}: {listed}"
+
+
+# Placeholder types of the option keys an override may add (see `add_option_keys`).
+_PLACEHOLDER_TYPES = {INT: int, FLOAT: float, STR: str, BOOL: bool}
+
+
+def add_option_keys(config, paths: Sequence[str]) -> list[str]:
+  """Adds the option keys among `paths` that `config` lacks, so an override can set them.
+
+  `data.source_options` and `data.split_options` hold only the options the
+  config file sets (`configs/ml1m.py` sets none), and a locked ConfigDict
+  takes no new key; `--config.data.source_options.cache_dir=DIR` could not
+  be given. Each described option key (one whose `when` names a dataset or
+  split) of `paths` missing from `config` is added, unset (a placeholder of
+  the key's type); the override then sets it and `check` checks it.
+
+  Args:
+    config: the ConfigDict just loaded from the config file (locked or not).
+    paths: dotted key paths, as `overrides` returns them.
+
+  Returns:
+    The paths added.
+  """
+  from ml_collections import config_dict  # pylint: disable=import-outside-toplevel
+  added = []
+  for path in paths:
+    k = _INDEX.get(path)
+    if k is None or k.when is None or k.type not in _PLACEHOLDER_TYPES:
+      continue
+    *parents, leaf = path.split(".")
+    holder = config
+    for part in parents:
+      holder = getattr(holder, part, None)
+    if not isinstance(holder, config_dict.ConfigDict) or leaf in holder:
+      continue
+    with holder.unlocked():
+      holder[leaf] = config_dict.placeholder(_PLACEHOLDER_TYPES[k.type])
+    added.append(path)
+  return added
+
+
+def _add_option_keys_when_parsed(argv: Sequence[str]) -> None:
+  """Makes absl's `--config` flag run `add_option_keys` on the loaded config.
+
+  The config file is loaded inside `flags.FLAGS(argv)`, and the overrides are
+  applied right after; this wraps the `--config` flag's file parser (once) so
+  that the keys the overrides of `argv` name exist by then. Without a
+  `--config` flag defined (no `trainer.main`), nothing happens.
+  """
+  paths = [path for path, _ in overrides(argv) if path in _INDEX and _INDEX[path].when]
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if not paths or "config" not in flags.FLAGS:
+    return
+  parser = flags.FLAGS["config"].parser
+  load = getattr(parser, "_load_config_file", parser.parse)
+
+  def parse(argument):
+    config = load(argument)
+    add_option_keys(config, paths)
+    return config
+
+  parser._load_config_file = load  # pylint: disable=protected-access
+  parser.parse = parse
 
 
 def explain_flag_error(error: BaseException, argv: Sequence[str]) -> ConfigError | None:
@@ -355,6 +548,72 @@ def explain_flag_error(error: BaseException, argv: Sequence[str]) -> ConfigError
 
 
 # --------------------------------------------------------------------------- #
+# The commands after training: trainer.evaluate, trainer.recommend,           #
+# trainer.export (`trainer/commands.py` parses and checks their flags)        #
+# --------------------------------------------------------------------------- #
+
+
+def flag_name(path: str) -> str:
+  """How messages show a command's flag: `--top_k`."""
+  return "--" + path
+
+
+def _workdir_holds_run(values, context):
+  del context
+  if not epath.Path(values["workdir"], "config.json").exists():
+    return "an existing run directory holding config.json (written by python -m trainer.main)"
+  return None
+
+
+def _users_file_exists(values, context):
+  del context
+  if values.get("users") is not None and not epath.Path(values["users"]).is_file():
+    return "None or an existing file of raw user ids, one per line"
+  return None
+
+
+_WORKDIR_FLAG = key("workdir", STR, None, "the training run's directory (holds config.json)")
+_CHECKPOINT_FLAG = key("checkpoint", STR, one_of("best", "latest"),
+                       "the best checkpoint by `checkpoint.best_metric` (the latest, with a "
+                       "notice, when none is best) or the latest")
+_STEP_FLAG = key("step", INT, at_least(0), "the checkpoint of this step (overrides --checkpoint)",
+                 none_ok=True, required=False)
+
+# Every flag of each command: type, allowed values, meaning.
+COMMAND_FLAGS: dict[str, tuple[schema.Key, ...]] = {
+    "evaluate": (
+        _WORKDIR_FLAG,
+        key("split", STR, one_of("validation", "test"), "the split evaluated (None: both)",
+            none_ok=True, required=False),
+        _CHECKPOINT_FLAG, _STEP_FLAG),
+    "recommend": (
+        _WORKDIR_FLAG,
+        key("top_k", INT, at_least(1), "K: items recommended per user"),
+        key("out", STR, None, "output file: one JSON line per user"),
+        key("users", STR, None, "file of raw user ids, one per line (None: every user)",
+            none_ok=True, required=False),
+        key("include_seen", BOOL, None, "also recommend items of the user's history"),
+        _CHECKPOINT_FLAG, _STEP_FLAG,
+        key("batch_size", INT, at_least(1), "users per step (None: the run's "
+            "`eval_batch_size`; rounded up to a multiple of the token shards)", none_ok=True,
+            required=False)),
+    "export": (
+        _WORKDIR_FLAG,
+        key("out", STR, None, "output folder"),
+        _CHECKPOINT_FLAG, _STEP_FLAG),
+}
+COMMAND_FLAG_DEFAULTS: dict[str, Any] = {
+    "split": None, "checkpoint": "best", "step": None, "users": None, "include_seen": False,
+    "batch_size": None}
+COMMAND_RULES: tuple[Rule, ...] = (
+    Rule(name="workdir_holds_run", keys=("workdir",), check=_workdir_holds_run,
+         doc="`--workdir` holds the `config.json` a training run writes at start"),
+    Rule(name="users_file_exists", keys=("users",), check=_users_file_exists,
+         doc="`--users`, when given, is an existing file"),
+)
+
+
+# --------------------------------------------------------------------------- #
 # Docs                                                                         #
 # --------------------------------------------------------------------------- #
 
@@ -364,9 +623,14 @@ DOC_END = "<!-- end of config keys -->"
 
 def markdown(defaults: Mapping[str, Any] | None = None) -> str:
   """The docs block: the keys table (defaults of `configs/base.py`) and the rules table."""
+  commands = []
+  for command, keys in COMMAND_FLAGS.items():
+    commands += [f"Flags of `python -m trainer.{command}`:", "",
+                 schema.markdown_table(keys, COMMAND_FLAG_DEFAULTS, name=flag_name), ""]
   return "\n".join([DOC_BEGIN, "", schema.markdown_table(KEYS, defaults, name=name), "",
                     "Rules between keys:", "", schema.rules_table(RULES, name=name), "",
-                    DOC_END])
+                    *commands, "Rules between flags:", "",
+                    schema.rules_table(COMMAND_RULES, name=flag_name), "", DOC_END])
 
 
 def base_defaults() -> dict[str, Any]:

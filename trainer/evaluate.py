@@ -10,11 +10,26 @@ targets. `cutbce.rank_metrics` turns ranks into recall/ndcg/hit@k and mrr.
 
 Batch results are combined exactly: every metric is an average over users
 with a target, so the per-batch averages are weighted by their user counts.
+
+Command line, after training (every user, the whole catalog):
+
+    python -m trainer.evaluate --workdir=W [--split=test|validation] [--step=N]
+        [--checkpoint=best|latest]
+
+reads `W/config.json`, rebuilds the model, mesh and data, restores the
+params of the best checkpoint (default; the latest, with a notice, when the
+run kept no best one), the latest one or step N, and prints the table of
+`format_table` and one JSON line `{"workdir", "checkpoint", "step", "metrics":
+{split: {...}}}` on stdout (progress on stderr). It uses the run's evaluation
+settings (`eval_batch_size`, `eval.filter_seen`, `eval.ks`, `eval.backend`),
+so its numbers are the training loop's final ones for the same checkpoint.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import sys
 from typing import Callable, Iterable
 
 import jax
@@ -24,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cutbce
 from cutbce import sharding as cutbce_sharding
+from trainer import commands, data as data_lib
 from trainer import train as train_lib
 
 
@@ -71,7 +87,8 @@ def combine(batch_metrics: Iterable[dict]) -> dict[str, float]:
 
 
 def evaluate(step_fn: Callable, params, batches: Iterable[dict], to_global: Callable,
-             max_batches: int | None = None) -> dict[str, float]:
+             max_batches: int | None = None,
+             progress: Callable[[int], None] | None = None) -> dict[str, float]:
   """Runs `step_fn` over the (per-process) batches and combines the metrics.
 
   Args:
@@ -80,6 +97,7 @@ def evaluate(step_fn: Callable, params, batches: Iterable[dict], to_global: Call
     batches: per-process numpy batches of `trainer.data.eval_dataset`.
     to_global: per-process batch -> dict of global arrays.
     max_batches: stop after this many batches (None = all).
+    progress: called with the number of batches done after each one.
 
   Returns:
     dict: "recall@k", "ndcg@k", "hit@k" per k, "mrr", and "num_users".
@@ -90,16 +108,73 @@ def evaluate(step_fn: Callable, params, batches: Iterable[dict], to_global: Call
       break
     batch = {key: batch[key] for key in ("inputs", "targets", "exclude", "weights")}
     results.append(step_fn(params, to_global(batch)))
+    if progress is not None:
+      progress(index + 1)
   return combine(results)
+
+
+def eval_batches(data, split: str, *, seq_len: int, global_batch_size: int,
+                 filter_seen: bool):
+  """This process's batches of `split` (a finite `grain.MapDataset`, `len` batches).
+
+  With `filter_seen` the whole history is the exclude list; without, a
+  1-wide placeholder (the step then passes no exclude).
+  """
+  return data_lib.eval_dataset(
+      data, split, seq_len=seq_len, batch_size=global_batch_size // jax.process_count(),
+      max_exclude=None if filter_seen else 1)
 
 
 def format_table(metrics_by_split: dict[str, dict[str, float]], ks=(10, 50, 100)) -> str:
   """A fixed-width table: one row per split, recall/ndcg/hit@k and mrr columns."""
   names = [f"{m}@{k}" for m in ("recall", "ndcg", "hit") for k in ks] + ["mrr"]
   width = max(len(n) for n in names) + 1
-  lines = ["split".ljust(11) + "users".rjust(7) + "".join(n.rjust(width) for n in names)]
+  first = max([11] + [len(split) + 1 for split in metrics_by_split])
+  lines = ["split".ljust(first) + "users".rjust(7) + "".join(n.rjust(width) for n in names)]
   for split, metrics in metrics_by_split.items():
-    row = split.ljust(11) + f"{int(metrics.get('num_users', 0)):7d}"
+    row = split.ljust(first) + f"{int(metrics.get('num_users', 0)):7d}"
     row += "".join(f"{metrics.get(n, float('nan')):{width}.4f}" for n in names)
     lines.append(row)
   return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- #
+# python -m trainer.evaluate                                                   #
+# --------------------------------------------------------------------------- #
+
+
+def _command(values) -> int:
+  from trainer import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+  run = workdir_lib.open_run(values["workdir"], which=values["checkpoint"],
+                             step=values.get("step"), say=commands.notice)
+  config = run.config
+  ks = tuple(config.eval.ks)
+  step_fn = jit_eval_step(run.graphdef, run.settings, run.param_shardings,
+                          filter_seen=config.eval.filter_seen, ks=ks)
+  sharding = train_lib.batch_sharding(run.settings.mesh, run.settings.token_axes)
+  results = {}
+  for split in ((values["split"],) if values.get("split") else ("validation", "test")):
+    batches = eval_batches(run.data, split, seq_len=config.seq_len,
+                           global_batch_size=run.batch_size, filter_seen=config.eval.filter_seen)
+    progress = commands.Progress(f"evaluating {split}", len(batches), "batches")
+    results[split] = evaluate(step_fn, run.params, iter(batches),
+                              lambda batch: data_lib.to_global_arrays(batch, sharding),
+                              progress=progress)
+  print(format_table(results, ks))
+  print(json.dumps({"workdir": run.workdir, "checkpoint": run.which, "step": run.step,
+                    "metrics": results}), flush=True)
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  """`python -m trainer.evaluate` in-process; returns the exit status."""
+  return commands.run_command("evaluate", _command, sys.argv if argv is None else argv)
+
+
+def run() -> None:
+  """The console script `cutbce-evaluate`."""
+  commands.app_main(main)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,8 +1,23 @@
 """The training loop: the only place that sees the whole config.
 
-config -> checks -> mesh -> prepared data -> sharded state (restored when a
-checkpoint exists) -> steps with progress lines, checkpoints, evaluations and
-a profiler trace -> final evaluation on validation and test.
+config -> checks -> WORKDIR/config.json (a resume whose config differs in
+keys that change the run stops here) -> mesh -> prepared data -> sharded
+state (restored when a checkpoint exists) -> steps with progress lines,
+checkpoints, evaluations and a profiler trace -> final evaluation.
+
+Checkpoints and the best one. A checkpoint is saved every `checkpoint_every`
+steps, at every periodic evaluation (`eval_every`) and at the last step. The
+periodic evaluation (on `eval.split`, at most `eval.max_batches` batches) runs
+before the save at its step and its metrics go with that checkpoint; at the
+last step one such evaluation runs too (or the full one is reused when
+`eval.max_batches` is None), so every ranked checkpoint was measured the same
+way. The checkpoint manager keeps the latest `max_checkpoints` and the best
+by `checkpoint.best_metric` (`trainer/checkpoint.py`).
+
+Final evaluation: validation and test over ALL users (`eval.max_batches`
+applies only to the periodic ones) for the last step and for the best
+checkpoint (restored for it; the same numbers when the last is the best),
+printed as one table with rows "best <split>" and "last <split>".
 """
 
 from __future__ import annotations
@@ -16,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from trainer import checkpoint, config_checks, config_schema, data as data_lib, evaluate, logs
+from trainer import run_config
 from trainer import train as train_lib
 from trainer.data import prepare as prepare_lib
 
@@ -25,15 +41,30 @@ class NonFiniteLossError(RuntimeError):
 
 
 def prepare_data(config, workdir: str) -> data_lib.PreparedDataset:
-  """Prepares `config.data` into its folder (process 0) unless already there."""
+  """Prepares `config.data` into its folder (process 0) unless already there.
+
+  A folder holding the dataset prepared with the same options (source and
+  its options, count filters, split and its options) is reused. The run's own
+  `WORKDIR/data` holding another preparation is prepared again; an explicit
+  `data.prepared_dir` holding one is an error listing the differences
+  (`prepare.needs_preparation`).
+  """
   folder = pathlib.Path(config_schema.prepared_folder(config.data.prepared_dir, workdir))
   if jax.process_index() == 0:
-    if not prepare_lib.is_prepared(folder, dataset=config.data.dataset, seq_len=config.seq_len):
+    options = dict(source_options=config.data.source_options.to_dict(),
+                   min_item_count=config.data.min_item_count, split=config.data.split,
+                   split_options=config.data.split_options.to_dict())
+    try:
+      stale = prepare_lib.needs_preparation(
+          folder, explicit=config.data.prepared_dir is not None,
+          dataset=config.data.dataset, **options)
+    except ValueError as error:
+      raise config_checks.ConfigError(f"config.data.prepared_dir={str(folder)!r}: {error}") \
+          from error
+    if stale:
       logs.say(f"preparing {config.data.dataset} into {folder}")
-      summary = data_lib.prepare_dataset(
-          config.data.dataset, folder, min_item_count=config.data.min_item_count,
-          split=config.data.split, split_options=config.data.split_options.to_dict(),
-          source_options=dict(config.data.source_options), seq_lens=(config.seq_len,))
+      summary = data_lib.prepare_dataset(config.data.dataset, folder, **options,
+                                         seq_lens=(config.seq_len,))
       logs.say(f"prepared {summary['num_users']} users, {summary['num_items']} items, "
                f"{summary['num_interactions']} interactions")
   if jax.process_count() > 1:
@@ -43,20 +74,41 @@ def prepare_data(config, workdir: str) -> data_lib.PreparedDataset:
 
 
 def _eval_batches(data, config, split: str):
-  per_process = config.eval_batch_size // jax.process_count()
-  dataset = data_lib.eval_dataset(
-      data, split, seq_len=config.seq_len, batch_size=per_process,
-      max_exclude=None if config.eval.filter_seen else 1)
-  return iter(dataset)
+  return iter(evaluate.eval_batches(data, split, seq_len=config.seq_len,
+                                    global_batch_size=config.eval_batch_size,
+                                    filter_seen=config.eval.filter_seen))
+
+
+def record_config(config, workdir: str, manager, allow_config_change: bool) -> None:
+  """Writes WORKDIR/config.json; on a resume, first checks what changed.
+
+  Raises:
+    config_checks.ConfigError: resuming would change the run (see
+      `trainer.run_config.check_resume`) and `allow_config_change` is False.
+  """
+  if checkpoint.latest_step(manager) is not None:
+    for line in run_config.check_resume(workdir, config, process_count=jax.process_count(),
+                                        allow_change=allow_config_change):
+      logs.say(line)
+  if jax.process_index() == 0:
+    run_config.write(workdir, config, process_count=jax.process_count())
 
 
 class Trainer:
   """Holds what the loop needs between steps (one run of `train_and_evaluate`)."""
 
-  def __init__(self, config, workdir: str):
+  def __init__(self, config, workdir: str, *, allow_config_change: bool = False):
     config_checks.check_config(config, workdir=workdir)
     self.config = config
     self.workdir = workdir
+    self.manager = checkpoint.make_manager(os.path.join(workdir, "checkpoints"),
+                                           config.max_checkpoints,
+                                           best_metric=config.checkpoint.best_metric)
+    try:
+      record_config(config, workdir, self.manager, allow_config_change)
+    except config_checks.ConfigError:
+      self.manager.close()
+      raise
     self.mesh = config_checks.make_mesh(config)
     logs.say(config_checks.describe_mesh(self.mesh))
     self.data = prepare_data(config, workdir)
@@ -82,8 +134,6 @@ class Trainer:
         batch_size=config.batch_size // jax.process_count(), seed=config.seed,
         num_threads=config.data.num_threads,
         prefetch_buffer_size=config.data.prefetch_buffer_size)
-    self.manager = checkpoint.make_manager(os.path.join(workdir, "checkpoints"),
-                                           config.max_checkpoints)
     latest = checkpoint.latest_step(self.manager)
     if latest is not None:
       abstract = train_lib.abstract_state(self.state, self.shardings)
@@ -97,18 +147,62 @@ class Trainer:
   def step_number(self) -> int:
     return int(jax.device_get(self.state["step"]))
 
-  def save(self, step: int) -> None:
-    checkpoint.save(self.manager, step, self.state, self.iterator)
+  def save(self, step: int, metrics: dict[str, float] | None = None) -> None:
+    checkpoint.save(self.manager, step, self.state, self.iterator, metrics)
 
-  def run_eval(self, step: int, split: str) -> dict[str, float]:
-    metrics = evaluate.evaluate(self.eval_step, self.state["params"],
-                                _eval_batches(self.data, self.config, split), self.to_global,
-                                max_batches=self.config.eval.max_batches)
-    self.writer.write(step, f"eval/{split}", metrics)
+  def run_eval(self, step: int, split: str, *, periodic: bool = True,
+               best_step: int | None = None) -> dict[str, float]:
+    """Metrics of `split`: at most `eval.max_batches` batches when `periodic`, else every user.
+
+    Args:
+      step: the step logged with the metrics.
+      split: "validation" or "test".
+      periodic: an evaluation during training (`eval.max_batches` applies).
+      best_step: evaluate the params of this step's checkpoint instead of the
+        current ones (logged as kind "best/<split>" with "checkpoint_step").
+    """
+    params = self.state["params"] if best_step is None else self.best_params(best_step)
+    metrics = evaluate.evaluate(
+        self.eval_step, params, _eval_batches(self.data, self.config, split), self.to_global,
+        max_batches=self.config.eval.max_batches if periodic else None)
+    kind = f"eval/{split}"
+    if best_step is not None:
+      kind, metrics["checkpoint_step"] = f"best/{split}", float(best_step)
+    self.writer.write(step, kind, metrics)
     shown = "  ".join(f"{name} {metrics[name]:.4f}" for name in
                       ("recall@10", "ndcg@10", "hit@10", "mrr") if name in metrics)
-    logs.say(f"eval {split} step {step}: {shown}  ({int(metrics['num_users'])} users)")
+    logs.say(f"{kind} step {step}: {shown}  ({int(metrics['num_users'])} users)")
     return metrics
+
+  def best_params(self, step: int):
+    """The params of the checkpoint of `step`, on the train state's shardings."""
+    abstract = train_lib.abstract_state(self.state["params"], self.shardings["params"])
+    return checkpoint.restore_params(os.path.join(self.workdir, "checkpoints"), step, abstract)
+
+  def final_evaluation(self, step: int) -> dict:
+    """Saves the last checkpoint (ranked) and evaluates it and the best over every user.
+
+    Returns:
+      {"last": {split: metrics}, "best": {split: metrics} or None,
+       "best_step": int or None}.
+    """
+    config = self.config
+    last = {}
+    if config.eval.max_batches is None:  # The periodic evaluation is the full one.
+      last[config.eval.split] = self.run_eval(step, config.eval.split, periodic=False)
+      ranked = last[config.eval.split]
+    else:
+      ranked = self.run_eval(step, config.eval.split)
+    self.save(step, ranked)
+    for split in ("validation", "test"):
+      if split not in last:
+        last[split] = self.run_eval(step, split, periodic=False)
+    best_step = checkpoint.best_step(self.manager)
+    if best_step is None or best_step == step:
+      return {"last": last, "best": None if best_step is None else last, "best_step": best_step}
+    best = {split: self.run_eval(step, split, periodic=False, best_step=best_step)
+            for split in ("validation", "test")}
+    return {"last": last, "best": best, "best_step": best_step}
 
 
 def non_finite_message(loss: float, grad_norm: float, step: int, last_checkpoint: int | None,
@@ -133,18 +227,28 @@ def _train_metrics(metrics, sums):
   return out
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
+def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = False) -> dict:
   """Trains `config` in `workdir` (resuming when it holds a checkpoint).
+
+  Args:
+    config: the run's ConfigDict.
+    workdir: the run's directory.
+    allow_config_change: resume even when the config differs from the run's
+      WORKDIR/config.json in keys that change the run.
 
   Returns:
     dict with "step" (last step done), "preempted" (bool), "final_loss"
-    and, when training completed, "eval" {split: metrics} and "table".
+    and, when training completed, "eval" {split: metrics} of the last step,
+    "best" ({"step", "eval": {split: metrics}} of the best checkpoint, or
+    None when no checkpoint was ranked) and "table"; every final metric is
+    over all users.
 
   Raises:
     NonFiniteLossError: the loss or the gradients became NaN or infinite;
       the last checkpoint on disk is the last good one.
+    config_checks.ConfigError: a resume that would change the run.
   """
-  trainer = Trainer(config, workdir)
+  trainer = Trainer(config, workdir, allow_config_change=allow_config_change)
   preemption = checkpoint.PreemptionFlag()
   step = trainer.step_number()
   progress = logs.Progress(step, config.train_steps, config.batch_size)
@@ -181,15 +285,26 @@ def train_and_evaluate(config, workdir: str) -> dict:
         logs.say(text)
         trainer.writer.write(step, "train", {**_train_metrics(metrics, sums), **rates})
         sums = dict.fromkeys(sums, 0.0)
-      if step % config.checkpoint_every == 0 or step == config.train_steps:
-        trainer.save(step)
-      if step % config.eval_every == 0 and step != config.train_steps:
-        trainer.run_eval(step, config.eval.split)
-    results = {split: trainer.run_eval(step, split) for split in ("validation", "test")}
-    table = evaluate.format_table(results, tuple(config.eval.ks))
+      if step == config.train_steps:
+        break  # final_evaluation ranks and saves the last checkpoint.
+      metrics = None
+      if step % config.eval_every == 0:
+        metrics = trainer.run_eval(step, config.eval.split)
+      if metrics is not None or step % config.checkpoint_every == 0:
+        trainer.save(step, metrics)
+    final = trainer.final_evaluation(step)
+    rows = {f"best {split}": metrics for split, metrics in (final["best"] or {}).items()}
+    rows.update({f"last {split}": metrics for split, metrics in final["last"].items()})
+    table = evaluate.format_table(rows, tuple(config.eval.ks))
+    best = ("no best checkpoint" if final["best_step"] is None else
+            f"best = step {final['best_step']} by {config.eval.split} "
+            f"{config.checkpoint.best_metric}")
     logs.say("evaluation (full catalog" + (", history excluded" if config.eval.filter_seen
-                                            else "") + f") at step {step}:\n{table}")
-    return {"step": step, "preempted": False, "final_loss": loss, "eval": results,
+                                            else "") + f", every user; {best}, last = step "
+             f"{step}):\n{table}")
+    return {"step": step, "preempted": False, "final_loss": loss, "eval": final["last"],
+            "best": None if final["best_step"] is None else {
+                "step": final["best_step"], "eval": final["best"]},
             "table": table}
   finally:
     if tracing:

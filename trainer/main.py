@@ -8,6 +8,13 @@ where `jax.distributed.initialize()` finds the slice by itself.
 Every config value is checked (`trainer/config_schema.py`) before data is
 prepared or anything traced; a bad one stops the run with exit status 2 and
 one line `bad config: config.<key>=<value>: <what is allowed>`.
+
+The config is written to `WORKDIR/config.json` at start. A restart in a
+workdir with checkpoints resumes; when its config differs from that file in
+keys that would change the run (batch size, process count, data options,
+`seq_len`, model shape, ...) it stops with one `bad config:` line listing
+them (exit 2), unless `--allow_config_change` is given; logging and
+evaluation keys may change freely (`trainer/run_config.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False,
     "Call jax.distributed.initialize() with no arguments (Cloud TPU slices).")
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    "allow_config_change", False,
+    "Resume even when the config differs from WORKDIR/config.json in keys that change "
+    "the run (batch size, data, model shape, ...).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -83,11 +94,12 @@ def main(argv):
   elif _DISTRIBUTED.value:
     jax.distributed.initialize()
   from trainer import config_checks, loop  # pylint: disable=import-outside-toplevel
-  from trainer.data import movielens  # pylint: disable=import-outside-toplevel
+  from trainer.data import movielens, sources  # pylint: disable=import-outside-toplevel
   # Every value, before data preparation and before any trace.
   check_or_exit(_CONFIG.value, _WORKDIR.value)
   try:
-    loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
+                            allow_config_change=_ALLOW_CONFIG_CHANGE.value)
   except config_checks.ConfigError as error:
     _bad_config(error)
   except (movielens.RegistryUnavailableError, FileNotFoundError) as error:
@@ -96,11 +108,22 @@ def main(argv):
     logging.error("data unavailable: %s", error)
     print(f"data unavailable: {error}", file=sys.stderr)
     sys.exit(2)
+  except sources.DataError as error:
+    # Raw data that cannot be read (a missing column, an empty table, a bad
+    # time): one line naming the file and the column.
+    logging.error("bad data: %s", error)
+    print(f"bad data: {error}", file=sys.stderr)
+    sys.exit(2)
   except loop.NonFiniteLossError as error:
     logging.error("%s", error)
     print(str(error), file=sys.stderr)
     sys.exit(3)
 
 
-if __name__ == "__main__":
+def run() -> None:
+  """The console script `cutbce-train`."""
   app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,12 +1,14 @@
 """The config schema: every key rejects bad values, every rule holds, the docs are current.
 
 Walks `config_schema.KEYS` and `RULES` (and `python -m trainer.data`'s
-`FLAG_KEYS`): for each key, values of the wrong type, out of range, not
+`FLAG_KEYS`, and the flags of `trainer.evaluate`, `recommend` and `export` in
+`config_schema.COMMAND_FLAGS`): for each key, values of the wrong type, out of range, not
 finite, not a choice, and (for tuples) empty, repeated or unsorted must each
 stop with one `bad config: <key>=<value>: ...` line and exit status 2. No
 training: everything here checks values only.
 """
 
+import importlib
 import inspect
 import json
 import math
@@ -95,6 +97,9 @@ _SETUPS = {
         dataset="ml-1m", source_options={}),
     ("data.dataset", "yambda"): lambda config, folder: config["data"].update(
         dataset="yambda", source_options={"path": str(folder)}),
+    ("data.dataset", "files"): lambda config, folder: config["data"].update(
+        dataset="files", source_options={"path": str(folder), "user_col": "uid",
+                                         "item_col": "item_id", "time_col": "timestamp"}),
     ("data.split", "gts"): lambda config, folder: config["data"].update(
         split="gts", split_options={"test_window": 100, "validation_window": 100}),
 }
@@ -169,7 +174,7 @@ def test_options_of_another_dataset_or_split_are_rejected():
   config["data"]["source_options"]["path"] = "/data"
   with pytest.raises(schema.ConfigError, match=(
       r"^config\.data\.source_options\.path='/data': not a key when config\.data\.dataset="
-      r"'synthetic' \(only for 'yambda'\); config\.data\.source_options holds num_users, ")):
+      r"'synthetic' \(only for 'yambda', 'files'\); config\.data\.source_options holds num_users, ")):
     config_schema.check(config, EIGHT)
   config = smoke.get_config().to_dict()
   config["data"]["split_options"]["gap"] = 10
@@ -190,6 +195,18 @@ def _prepared_manifest(folder, dataset, seq_len):
 
 def _yambda_missing(config, tmp_path):
   config["data"].update(dataset="yambda", source_options={"path": str(tmp_path / "missing")})
+  return config_schema.Context(device_count=8, workdir=str(tmp_path / "work"))
+
+
+def _files_missing(config, tmp_path):
+  _SETUPS[("data.dataset", "files")](config, tmp_path / "missing.parquet")
+  return config_schema.Context(device_count=8, workdir=str(tmp_path / "work"))
+
+
+def _prepared_otherwise(config, tmp_path):
+  """An explicit prepared_dir holding ML-1M while the config asks for synthetic data."""
+  config["data"]["prepared_dir"] = str(tmp_path / "prepared")
+  _prepared_manifest(tmp_path / "prepared", "ml-1m", config["seq_len"])
   return config_schema.Context(device_count=8, workdir=str(tmp_path / "work"))
 
 
@@ -215,6 +232,12 @@ RULE_BREAKERS = {
         config.update(batch_size=48), config_schema.Context(8, process_count=3))[1],
     "heads_divide_dim": _set_all(model__dim=7, model__num_heads=2),
     "yambda_folder_exists": _yambda_missing,
+    "files_path_matches": _files_missing,
+    "files_filter_parses": lambda config, tmp_path: (
+        _SETUPS[("data.dataset", "files")](config, tmp_path),
+        config["data"]["source_options"].update(filter="played=5"), EIGHT)[-1],
+    "prepared_dir_matches": _prepared_otherwise,
+    "best_metric_is_evaluated": _set_all(checkpoint__best_metric="ndcg@7"),
 }
 
 
@@ -314,7 +337,12 @@ def _cli_bad_values(k: schema.Key) -> list[str]:
 
 # Flags whose every string is a valid value; their other checks are named here.
 _CLI_OTHER_CHECKS = {"out": "required", "yambda_path": "rule yambda_folder_exists",
-                     "cache_dir": "any folder (created when missing)"}
+                     "cache_dir": "any folder (created when missing)",
+                     "path": "rule files_path_matches",
+                     "user_col": "rule files_user_col_given",
+                     "item_col": "rule files_item_col_given",
+                     "time_col": "rule files_time_col_given",
+                     "filter": "rule files_filter_parses"}
 CLI_CASES = [(k.path, v) for k in data_cli.FLAG_KEYS for v in _cli_bad_values(k)]
 
 
@@ -352,6 +380,72 @@ def test_cli_missing_unknown_and_rule_breaking_flags(flags, start, tmp_path, cap
   err = capsys.readouterr().err
   assert err.startswith(start) and err.count("\n") == 1, err
   assert not os.path.exists(out)
+
+
+# --------------------------------------------------------------------------- #
+# python -m trainer.evaluate, recommend, export: their flags, the same way.   #
+# --------------------------------------------------------------------------- #
+
+
+def _command_bad_values(k: schema.Key) -> list[str]:
+  return _cli_bad_values(k) + (["maybe"] if k.type == schema.BOOL else [])
+
+
+# Flags whose every string is a valid value; their other checks are named here.
+_COMMAND_OTHER_CHECKS = {"workdir": "rule workdir_holds_run", "users": "rule users_file_exists",
+                         "out": "any path (created)"}
+COMMAND_CASES = [(command, k.path, v) for command, keys in config_schema.COMMAND_FLAGS.items()
+                 for k in keys for v in _command_bad_values(k)]
+
+
+def _command_main(command: str):
+  return importlib.import_module(f"trainer.{command}").main
+
+
+def test_every_command_flag_is_described_and_checked():
+  for command, keys in config_schema.COMMAND_FLAGS.items():
+    for k in keys:
+      assert _command_bad_values(k) or k.path in _COMMAND_OTHER_CHECKS, (command, k.path)
+    assert callable(_command_main(command))
+
+
+@pytest.mark.parametrize("command,path,text", COMMAND_CASES,
+                         ids=[f"{c}--{p}={v}" for c, p, v in COMMAND_CASES])
+def test_every_command_flag_rejects_bad_values(command, path, text, tmp_path, capsys):
+  given = {"workdir": str(tmp_path), "out": str(tmp_path / "out"), "top_k": "3"}
+  flags = [f"--{k.path}={given[k.path]}" for k in config_schema.COMMAND_FLAGS[command]
+           if k.path in given]
+  assert _command_main(command)([command, *flags, f"--{path}={text}"]) == 2
+  captured = capsys.readouterr()
+  assert captured.err.startswith(f"bad config: --{path}=") and captured.err.count("\n") == 1, (
+      captured.err)
+  assert captured.out == "" and not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("command", sorted(config_schema.COMMAND_FLAGS))
+def test_command_rules_unknown_and_missing_flags(command, tmp_path, capsys):
+  main = _command_main(command)
+  keys = {k.path for k in config_schema.COMMAND_FLAGS[command]}
+  required = [f"--out={tmp_path / 'out'}"] * ("out" in keys) + ["--top_k=3"] * ("top_k" in keys)
+  cases = [
+      ([f"--workdir={tmp_path}", *required], f"bad config: --workdir='{tmp_path}': an existing "
+       "run directory holding config.json"),
+      ([*required], "bad config: --workdir is missing: it is required"),
+      ([f"--workdir={tmp_path}", *required, "--no-such-flag=1"],
+       "bad config: --no_such_flag: unknown flag; the flags are --workdir, "),
+  ]
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.json").write_text("{}")
+  cases.append(([f"--workdir={run}", *required],
+                f"bad config: {run / 'config.json'}: a config of format 'cutbce-run-config'"))
+  if "users" in keys:
+    cases.append(([f"--workdir={run}", *required, f"--users={tmp_path / 'none.txt'}"],
+                  f"bad config: --users='{tmp_path / 'none.txt'}': None or an existing file"))
+  for flags, start in cases:
+    assert main([command, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(start) and err.count("\n") == 1, err
 
 
 # --------------------------------------------------------------------------- #
@@ -393,3 +487,38 @@ def test_trainer_data_stops_with_one_line_and_status_2(tmp_path):
 def test_schema_docstring_example_runs():
   import doctest  # pylint: disable=import-outside-toplevel
   assert doctest.testmod(schema).failed == 0
+
+
+# --------------------------------------------------------------------------- #
+# mesh.shape with -1.                                                          #
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("names,shape,devices,want", [
+    (("data",), (-1,), 8, (8,)),
+    (("data", "model"), (-1, 4), 8, (2, 4)),
+    (("data", "model"), (2, -1), 8, (2, 4)),
+    (("data", "model"), (-1, 1), 1, (1, 1)),
+])
+def test_a_minus_one_in_the_mesh_is_filled_from_the_device_count(names, shape, devices, want):
+  from trainer import config_checks  # pylint: disable=import-outside-toplevel
+  config = smoke.get_config()
+  config.mesh.axis_names, config.mesh.shape, config.mesh.token_axes = names, shape, names
+  config.batch_size = config.eval_batch_size = 64
+  config_checks.check_config(config, devices)
+  assert tuple(config.mesh.shape) == want
+
+
+@pytest.mark.parametrize("shape,message", [
+    ((-1, -1), r"^config.mesh.shape=\(-1, -1\): at most one size may be -1"),
+    ((-1, 3), r"^config.mesh.shape=\(-1, 3\): the sizes besides -1 multiply to 3, which "
+              "does not divide the 8 devices present"),
+    ((-2, 4), r"^config.mesh.shape=\(-2, 4\)"),
+])
+def test_a_bad_minus_one_mesh_is_one_config_error(shape, message):
+  from trainer import config_checks  # pylint: disable=import-outside-toplevel
+  config = smoke.get_config()
+  config.mesh.axis_names, config.mesh.shape = ("data", "model"), shape
+  config.mesh.token_axes = ("data", "model")
+  with pytest.raises(schema.ConfigError, match=message):
+    config_checks.check_config(config, 8)

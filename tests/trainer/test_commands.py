@@ -1,0 +1,280 @@
+"""After training: config.json and resumes, the best checkpoint, evaluate, recommend, export.
+
+One smoke run of 20 steps (module fixture) with a periodic evaluation at step
+10 whose ranked metric is forced to the top, so the best checkpoint (10)
+differs from the latest (20) and `max_checkpoints=1` must keep both. The
+commands run in-process through their `main(argv)`.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from trainer import checkpoint, config_schema, evaluate, export, loop, recommend, run_config
+from trainer import schema, workdir as workdir_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOP_K = 10
+
+
+def _config(smoke_data_dir):
+  from configs import smoke  # pylint: disable=import-outside-toplevel
+  config = smoke.get_config()
+  config.data.prepared_dir = smoke_data_dir
+  config.train_steps, config.eval_every, config.checkpoint_every = 20, 10, 10
+  config.max_checkpoints, config.eval.max_batches = 1, 1
+  config.profile.num_steps = 0
+  return config
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, smoke_data_dir):
+  """`(workdir, config, result)` of 20 smoke steps; step 10 ranks best."""
+  config = _config(smoke_data_dir)
+  workdir = str(tmp_path_factory.mktemp("trained"))
+  real_eval = loop.Trainer.run_eval
+
+  def run_eval(self, step, split, *, periodic=True, best_step=None):
+    metrics = real_eval(self, step, split, periodic=periodic, best_step=best_step)
+    return dict(metrics, **{"ndcg@10": 1.0}) if periodic and step == 10 else metrics
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(loop.Trainer, "run_eval", run_eval)
+    result = loop.train_and_evaluate(config, workdir)
+  return workdir, config, result
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+  workdir, _, _ = trained
+  out = str(tmp_path_factory.mktemp("export"))
+  assert export.main(["export", f"--workdir={workdir}", f"--out={out}"]) == 0
+  return out
+
+
+def _run(module, capsys, *flags):
+  status = module.main([module.__name__, *flags])
+  captured = capsys.readouterr()
+  return status, captured.out, captured.err
+
+
+# --------------------------------------------------------------------------- #
+# The run: config.json, the best checkpoint, the final evaluation.             #
+# --------------------------------------------------------------------------- #
+
+
+def test_run_writes_its_config(trained):
+  workdir, config, _ = trained
+  assert run_config.flat_values(run_config.read(workdir)) == run_config.flat_values(config)
+  assert run_config.read_record(workdir)["process_count"] == 1
+
+
+def test_best_checkpoint_kept_beside_the_latest_and_reported(trained):
+  workdir, config, result = trained
+  assert sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints"))) == [10, 20]
+  assert result["best"]["step"] == 10 and result["step"] == 20
+  manager = checkpoint.make_manager(os.path.join(workdir, "checkpoints"), 1, "ndcg@10")
+  assert checkpoint.best_step(manager) == 10 and manager.metrics(10)["ndcg@10"] == 1.0
+  manager.close()
+  # The final evaluation is over every user, whatever eval.max_batches says.
+  assert config.eval.max_batches == 1 and config.eval_batch_size < 200
+  for which in (result["eval"], result["best"]["eval"]):
+    assert {split: m["num_users"] for split, m in which.items()} == {
+        "validation": 200, "test": 200}
+  assert result["best"]["eval"]["test"] != result["eval"]["test"]
+  assert "best validation" in result["table"] and "last test" in result["table"]
+
+
+def test_orbax_policy_keeps_latest_n_and_the_best(tmp_path):
+  manager = checkpoint.make_manager(tmp_path, 2, "mrr")
+  state, metrics = {"x": jnp.zeros(3)}, {1: 0.2, 3: 0.5, 4: None, 5: 0.1, 6: None}
+  iterator = iter(grain.MapDataset.range(4).to_iter_dataset())
+  for step, value in metrics.items():
+    checkpoint.save(manager, step, state, iterator,
+                    None if value is None else {"mrr": value, "ndcg@10": 0.0})
+  assert manager.all_steps() == [3, 5, 6] and checkpoint.best_step(manager) == 3
+  manager.close()
+  latest_only = checkpoint.make_manager(tmp_path, 2)
+  assert checkpoint.best_step(latest_only) is None
+  latest_only.close()
+
+
+# --------------------------------------------------------------------------- #
+# Resuming with another config.                                                #
+# --------------------------------------------------------------------------- #
+
+
+def test_config_change_on_resume_is_refused_then_allowed(trained, tmp_path):
+  workdir, config, _ = trained
+  config = config.copy_and_resolve_references()
+  copy = str(tmp_path / "run")
+  shutil.copytree(workdir, copy)
+  config.optimizer.learning_rate, config.log_every = 1e-2, 4
+  with pytest.raises(schema.ConfigError) as excinfo:
+    loop.train_and_evaluate(config, copy)
+  message = str(excinfo.value)
+  assert message.startswith("config.optimizer.learning_rate=0.01 (was 0.003): resuming")
+  assert "log_every" not in message and "--allow_config_change" in message
+  assert run_config.read(copy).optimizer.learning_rate == 0.003
+  result = loop.train_and_evaluate(config, copy, allow_config_change=True)
+  assert result["step"] == 20 and run_config.read(copy).optimizer.learning_rate == 0.01
+
+
+def test_which_changes_are_harmless(trained):
+  workdir, config, _ = trained
+  config = config.copy_and_resolve_references()
+  flat = run_config.flat_values(config)
+  assert run_config.is_harmless("eval.max_batches", flat, flat)
+  assert run_config.is_harmless("train_steps", flat, flat)  # constant schedule
+  cosine = dict(flat, **{"optimizer.schedule": "cosine"})
+  assert not run_config.is_harmless("train_steps", cosine, cosine)
+  for key in ("batch_size", "seq_len", "model.dim", "data.source_options.num_items",
+              "process_count"):
+    assert not run_config.is_harmless(key, flat, flat), key
+  config.train_steps, config.eval.ks = 30, (10, 20)
+  notices = run_config.check_resume(workdir, config, process_count=1)
+  assert notices == ["config changed since the run started (harmless): config.eval.ks "
+                     "[10, 50, 100] -> [10, 20], config.train_steps 20 -> 30"]
+  with pytest.raises(schema.ConfigError, match=r"^process_count=2 \(was 1\)"):
+    run_config.check_resume(workdir, config, process_count=2)
+
+
+# --------------------------------------------------------------------------- #
+# python -m trainer.evaluate                                                   #
+# --------------------------------------------------------------------------- #
+
+
+def test_evaluate_prints_table_and_json_matching_the_loop(trained, capsys):
+  workdir, _, result = trained
+  for flags, want, step in ((["--checkpoint=best"], result["best"]["eval"], 10),
+                            (["--checkpoint=latest"], result["eval"], 20)):
+    status, out, err = _run(evaluate, capsys, f"--workdir={workdir}", *flags)
+    assert status == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("split") and lines[1].startswith("validation")
+    assert lines[2].startswith("test") and len(lines) == 4
+    record = json.loads(lines[-1])
+    assert (record["step"], record["checkpoint"]) == (step, flags[0].split("=")[1])
+    for split in ("validation", "test"):
+      for name, value in record["metrics"][split].items():
+        np.testing.assert_allclose(value, want[split][name], rtol=1e-6, err_msg=name)
+    assert "evaluating test: 4/4 batches" in err
+
+
+def test_evaluate_one_split_of_one_step_and_bad_flags(trained, capsys, tmp_path):
+  workdir, _, _ = trained
+  status, out, _ = _run(evaluate, capsys, f"--workdir={workdir}", "--split=test", "--step=20")
+  assert status == 0 and list(json.loads(out.splitlines()[-1])["metrics"]) == ["test"]
+  for flags, line in (
+      ([f"--workdir={tmp_path}"], f"bad config: --workdir='{tmp_path}': an existing run "
+       "directory holding config.json (written by python -m trainer.main)"),
+      ([f"--workdir={workdir}", "--step=7"], "bad config: --step=7: a step with a "
+       f"checkpoint in {workdir}/checkpoints: 10, 20"),
+      ([], "bad config: --workdir is missing: it is required; a string")):
+    status, out, err = _run(evaluate, capsys, *flags)
+    assert status == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(line), err
+
+
+# --------------------------------------------------------------------------- #
+# python -m trainer.export and trainer.recommend                               #
+# --------------------------------------------------------------------------- #
+
+
+def test_export_round_trips_through_load_export(trained, exported):
+  workdir, _, _ = trained
+  run = workdir_lib.open_run(workdir, say=lambda line: None)
+  loaded = export.load_export(exported)
+  assert loaded.manifest["step"] == run.step == 10 and loaded.item_bias is None
+  num_items = run.data.num_items
+  params = export._flatten(jax.tree.map(np.asarray, run.params))
+  assert set(loaded.params) == set(params)
+  for name, value in params.items():
+    want = np.asarray(value)[:num_items] if name == export.ITEM_TABLE_PATH else np.asarray(value)
+    np.testing.assert_array_equal(loaded.params[name], want, err_msg=name)
+  np.testing.assert_array_equal(loaded.item_embeddings, loaded.params[export.ITEM_TABLE_PATH])
+  np.testing.assert_array_equal(loaded.item_ids, run.data.item_ids)
+  # A serving system needs NumPy only.
+  code = (f"import sys; sys.path.insert(0, {ROOT!r}); from trainer.export import load_export; "
+          f"e = load_export({exported!r}); assert 'jax' not in sys.modules; "
+          "print(e.item_embeddings.shape)")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=60, check=False)
+  assert done.returncode == 0 and done.stdout.strip() == f"({num_items}, 16)", done.stderr
+
+
+def _histories(data):
+  return [np.asarray(data.items[data.offsets[u]:data.offsets[u + 1]])
+          for u in range(data.num_users)]
+
+
+def test_recommend_equals_numpy_top_k_of_the_export(trained, exported, tmp_path, capsys):
+  workdir, config, _ = trained
+  out = tmp_path / "top.jsonl"
+  status, _, err = _run(recommend, capsys, f"--workdir={workdir}", f"--top-k={TOP_K}",
+                        f"--out={out}")
+  assert status == 0 and "recommending: 200/200 users" in err, err
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  run = workdir_lib.open_run(workdir, say=lambda line: None)
+  data, loaded = run.data, export.load_export(exported)
+  histories = _histories(data)
+  inputs = np.full((data.num_users, config.seq_len), data.num_items, np.int32)
+  for user, history in enumerate(histories):
+    last = history[-config.seq_len:]
+    inputs[user, config.seq_len - last.shape[0]:] = last
+  forward = jax.jit(lambda params, ids: nnx.merge(run.graphdef, params)(ids)[:, -1])
+  hidden = np.asarray(forward(run.params, jnp.asarray(inputs)), np.float64)  # [U, D]
+  scores = hidden @ np.asarray(loaded.item_embeddings, np.float64).T  # [U, V]
+  assert [r["user"] for r in records] == data.user_ids.tolist()
+  raw_to_dense = {raw: dense for dense, raw in enumerate(loaded.item_ids.tolist())}
+  for user, record in enumerate(records):
+    seen = np.unique(histories[user])
+    row = scores[user].copy()
+    row[seen] = -np.inf
+    want = np.argsort(-row, kind="stable")[:TOP_K]
+    got = np.array([raw_to_dense[raw] for raw in record["items"]])
+    np.testing.assert_allclose(record["scores"], row[want], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(record["scores"], row[got], rtol=1e-4, atol=1e-5)
+    assert not np.isin(got, seen).any() and len(set(got.tolist())) == TOP_K
+    assert ((got == want) | np.isclose(row[got], row[want], rtol=0, atol=1e-5)).all()
+
+
+def test_recommend_listed_users_with_seen_items_and_unknown_ids(trained, tmp_path, capsys):
+  workdir, _, _ = trained
+  users = tmp_path / "users.txt"
+  users.write_text("7\n\n3\n")
+  out = tmp_path / "top.jsonl"
+  status, _, err = _run(recommend, capsys, f"--workdir={workdir}", "--top_k=300",
+                        f"--users={users}", f"--out={out}", "--include_seen")
+  assert status == 0, err
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [r["user"] for r in records] == [7, 3]
+  assert all(sorted(r["items"]) == list(range(300)) for r in records)  # every item once
+  users.write_text("3\nnobody\n123456\n")
+  status, _, err = _run(recommend, capsys, f"--workdir={workdir}", "--top_k=5",
+                        f"--users={users}", f"--out={out}")
+  assert status == 2 and err.splitlines()[-1] == (
+      f"bad config: --users='{users}': ids of users of the run's data; 2 are not: "
+      "'nobody', '123456'")
+
+
+def test_console_scripts_point_at_the_commands():
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as file:
+    scripts = tomllib.load(file)["project"]["scripts"]
+  assert set(scripts) == {"cutbce-train", "cutbce-data", "cutbce-evaluate", "cutbce-recommend",
+                          "cutbce-export"}
+  import importlib  # pylint: disable=import-outside-toplevel
+  for target in scripts.values():
+    module, function = target.split(":")
+    assert callable(getattr(importlib.import_module(module), function)), target
+  assert set(config_schema.COMMAND_FLAGS) == {"evaluate", "recommend", "export"}

@@ -1,0 +1,169 @@
+"""The command lines after training: flags described once, one-line errors, progress.
+
+`python -m trainer.evaluate`, `trainer.recommend` and `trainer.export` are absl
+apps whose flags are `trainer.schema` keys (`config_schema.COMMAND_FLAGS`).
+Each command's flags live in their own `absl.flags.FlagValues`, not in the
+global `FLAGS`, so the three commands and `trainer.main` (which all have a
+`--workdir`) can be imported into one process (the tests do). Every flag is
+parsed as text and then typed and checked by the schema, so a bad value, a
+missing or unknown flag, or a workdir without `config.json` stops the
+command with exit status 2 and one line,
+
+    bad config: --top_k='abc': an integer >= 1
+
+Flag names take underscores or dashes (`--top_k`, `--top-k`). Missing data
+(`data unavailable: ...`) also exits 2. `main(argv) -> int` runs a command
+in-process; `app_main(main)` is the `__main__` / console-script entry.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import app, flags, logging
+
+from trainer import config_schema, logs, schema
+from trainer.config_schema import flag_name
+
+_HELP = ("--help", "-h", "--helpshort", "--helpfull")
+
+
+def _flag_values(command: str) -> flags.FlagValues:
+  values = flags.FlagValues()
+  for k in config_schema.COMMAND_FLAGS[command]:
+    default = config_schema.COMMAND_FLAG_DEFAULTS.get(k.path)
+    if k.type == schema.BOOL:
+      flags.DEFINE_bool(k.path, default, k.doc, flag_values=values)
+    else:  # Typed and checked by the schema, so every message is the same.
+      flags.DEFINE_string(k.path, None if default is None else str(default), k.doc,
+                          flag_values=values)
+  return values
+
+
+def _underscores(arg: str) -> str:
+  """`--top-k=5` -> `--top_k=5` (the value is left alone)."""
+  if not arg.startswith("--"):
+    return arg
+  name, equals, value = arg[2:].partition("=")
+  return "--" + name.replace("-", "_") + equals + value
+
+
+def usage(command: str) -> str:
+  """The flags of `command`, one per line, with what each allows."""
+  lines = [f"python -m trainer.{command} flags:"]
+  for k in config_schema.COMMAND_FLAGS[command]:
+    defaults = config_schema.COMMAND_FLAG_DEFAULTS
+    shown = f"default {defaults[k.path]!r}" if k.path in defaults else "required"
+    lines.append(f"  {flag_name(k.path)}: {k.doc} ({k.describe()}; {shown})")
+  return "\n".join(lines)
+
+
+def parse(argv: Sequence[str], command: str) -> dict[str, Any]:
+  """Parses and checks `command`'s flags.
+
+  Args:
+    argv: the command line, program name first.
+    command: a key of `config_schema.COMMAND_FLAGS`.
+
+  Returns:
+    `{flag: typed value}`; flags left unset that have no default are absent.
+
+  Raises:
+    schema.ConfigError: a bad, missing or unknown flag (one line).
+    SystemExit: `--help` (status 0, after printing the flags).
+  """
+  keys = config_schema.COMMAND_FLAGS[command]
+  argv = [argv[0]] + [_underscores(arg) for arg in argv[1:]]
+  if any(arg in _HELP for arg in argv[1:]):
+    print(usage(command))
+    raise SystemExit(0)
+  parsed = _flag_values(command)
+  try:
+    rest = parsed(argv)
+  except flags.UnrecognizedFlagError as error:
+    known = ", ".join(flag_name(k.path) for k in keys)
+    raise schema.ConfigError(f"--{error.flagname}: unknown flag; the flags are {known}") from None
+  except flags.Error as error:
+    raise schema.ConfigError(_explain(str(error), keys)) from None
+  if len(rest) > 1:
+    raise schema.ConfigError(f"{' '.join(rest[1:])}: unexpected arguments; "
+                             f"see python -m trainer.{command} --help")
+  index = {k.path: k for k in keys}
+  values = {path: schema.from_text(index[path], parsed[path].value)
+            for path in index if parsed[path].value is not None}
+  schema.check(values, keys, config_schema.COMMAND_RULES, name=flag_name)
+  return values
+
+
+def _explain(message: str, keys) -> str:
+  """absl's message about a flag's value as the schema says it."""
+  for k in keys:
+    prefix = f"flag --{k.path}="
+    if message.startswith(prefix):
+      value = message[len(prefix):].split(":", 1)[0]
+      return f"{flag_name(k.path)}={value!r}: {k.describe()}"
+    if message == f"Missing value for flag --{k.path}":
+      return f"{flag_name(k.path)}: missing value; {k.describe()} ({k.doc})"
+  return message
+
+
+def run_command(command: str, body: Callable[[dict[str, Any]], int | None],
+                argv: Sequence[str]) -> int:
+  """Parses the flags and runs `body(values)`; returns the exit status.
+
+  A `schema.ConfigError` (flags, or a value the run cannot serve) prints
+  `bad config: ...` and a missing data file `data unavailable: ...`, one
+  line each on stderr, status 2.
+  """
+  from trainer.data import movielens  # pylint: disable=import-outside-toplevel
+  try:
+    values = parse(argv, command)
+    return body(values) or 0
+  except schema.ConfigError as error:
+    print(f"bad config: {error}", file=sys.stderr)
+    return 2
+  except (FileNotFoundError, movielens.RegistryUnavailableError) as error:
+    print(f"data unavailable: {error}", file=sys.stderr)
+    return 2
+
+
+def app_main(main: Callable[[list[str]], int]) -> None:
+  """Runs `main(argv)` as an absl app (the `__main__` and console-script entry)."""
+
+  def flags_parser(argv):
+    flags.FLAGS([argv[0]])  # absl's own flags stay at their defaults
+    return argv
+
+  def absl_main(argv):
+    logging.set_verbosity(logging.WARNING)  # progress goes to stdout
+    sys.exit(main(argv))
+
+  app.run(absl_main, flags_parser=flags_parser)
+
+
+def notice(message: str) -> None:
+  """A progress or notice line, on stderr (stdout holds only the command's results)."""
+  print(message, file=sys.stderr, flush=True)
+
+
+class Progress:
+  """Progress lines of a long loop: about every tenth of the way, and at the end."""
+
+  def __init__(self, what: str, total: int, unit: str, say: Callable[[str], None] | None = None):
+    self._what, self._total, self._unit, self._say = what, total, unit, say or notice
+    self._every = max(1, total // 10)
+    self._start = time.perf_counter()
+    self._next = self._every
+
+  def __call__(self, done: int) -> None:
+    if done < self._next and done < self._total:
+      return
+    self._next = done + self._every
+    elapsed = max(time.perf_counter() - self._start, 1e-9)
+    rate = done / elapsed
+    eta = (self._total - done) / rate if rate > 0 else 0.0
+    self._say(f"{self._what}: {done:,}/{self._total:,} {self._unit}  {rate:.1f} {self._unit}/s  "
+              f"ETA {logs.format_duration(eta)}")
