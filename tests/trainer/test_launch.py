@@ -1,6 +1,19 @@
-"""Launchers: tpu_vm.sh against a stand-in gcloud, local.sh processes and failures."""
+"""Launchers: tpu_vm.sh against a stand-in gcloud, local.sh processes and failures.
 
+The stand-in gcloud records every call (one JSON list of arguments a line). With
+FAKE_TPU_SIMULATE=1 it also plays a slice of FAKE_TPU_WORKERS VMs on this
+machine: worker i is the folder FAKE_TPU_ROOT/worker-i, used as HOME; `scp`
+copies there and `ssh --command` runs the script with bash in it, workers in
+parallel, the way gcloud does over --worker=all. On those "VMs" `curl` answers
+the metadata server's worker number, `sudo` only records what it was asked,
+and `uv` makes a virtual environment whose `python` is a fake trainer that
+logs its arguments and, on SIGTERM, "saves a checkpoint" and exits 0.
+"""
+
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -12,7 +25,6 @@ from tests.trainer import test_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
 def _stand_in(tmp_path, name, body):
   folder = tmp_path / "bin"
   folder.mkdir(exist_ok=True)
@@ -22,37 +34,324 @@ def _stand_in(tmp_path, name, body):
   return folder
 
 
-def test_tpu_vm_runs_gcloud_on_every_worker(tmp_path):
-  record = tmp_path / "calls.txt"
-  folder = _stand_in(tmp_path, "gcloud", f'printf "%s\\n" "$*" >> {record}\n')
-  env = dict(os.environ, PATH=f"{folder}:{os.environ['PATH']}")
-  result = subprocess.run(
-      ["launch/tpu_vm.sh", "--tpu=my-v6e", "--zone=us-east5-b", "--project=p", "--",
-       "--config=configs/yambda50m_v6e8.py", "--workdir=gs://b/run", "--config.seed=3"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-  assert result.returncode == 0, result.stderr
-  calls = record.read_text().splitlines()
-  assert len(calls) == 4
-  assert calls[0].startswith("compute tpus tpu-vm scp ")
-  assert all("--worker=all" in call and "--zone=us-east5-b" in call for call in calls)
-  assert all(call.startswith("compute tpus tpu-vm ssh my-v6e") for call in calls[1:])
-  assert "pip install" in calls[1]
-  assert "libtpu_lockfile" in calls[2]
-  assert ("python3 -m trainer.main --distributed --config=configs/yambda50m_v6e8.py "
-          "--workdir=gs://b/run --config.seed=3") in calls[3]
+_GCLOUD = r"""
+import json, os, shutil, subprocess, sys
+from concurrent.futures import ThreadPoolExecutor
+
+args = sys.argv[1:]
+root = os.environ["FAKE_TPU_ROOT"]
+with open(os.path.join(root, "calls.jsonl"), "a") as calls:
+  calls.write(json.dumps(args) + "\n")
+if os.environ.get("FAKE_TPU_SIMULATE") != "1":
+  sys.exit(0)
+on = next(arg.split("=", 1)[1] for arg in args if arg.startswith("--worker="))
+workers = range(int(os.environ["FAKE_TPU_WORKERS"])) if on == "all" else [int(on)]
+home = lambda i: os.path.join(root, f"worker-{i}")
+if args[3] == "scp":
+  for i in workers:
+    shutil.copy(args[4], os.path.join(home(i), args[5].split(":", 1)[1]))
+  sys.exit(0)
+script = next(arg.split("=", 1)[1] for arg in args if arg.startswith("--command="))
+def ssh(i):
+  env = dict(os.environ, HOME=home(i), FAKE_WORKER=str(i))
+  # Output through a pipe, read to its end: a trainer left holding the ssh
+  # channel would keep this (and the test) waiting, as it would keep ssh.
+  return subprocess.run(["bash", "-c", script], cwd=home(i), env=env, stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+with ThreadPoolExecutor(len(workers)) as pool:
+  results = list(pool.map(ssh, workers))
+for result in results:
+  sys.stdout.write(result.stdout)
+sys.exit(max(result.returncode for result in results))
+"""
+
+# A fake trainer: logs its arguments and cache, "saves a checkpoint" on SIGTERM.
+# It ends by itself after two minutes, so that no failed test leaves it behind.
+_FAKE_TRAINER = """#!/usr/bin/env bash
+if [[ ${1:-} == -c ]]; then exit 0; fi
+echo "fake trainer: $*"
+echo "JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-unset} cwd=$PWD"
+trap 'echo "fake trainer: SIGTERM, checkpoint saved"; exit 0' TERM
+for _ in $(seq 600); do sleep 0.2; done
+"""
+
+_UV = f"""
+echo "uv $*" >> "$FAKE_TPU_ROOT/uv-worker-$FAKE_WORKER.txt"
+if [[ $1 == venv ]]; then
+  venv=${{@: -1}}
+  mkdir -p "$venv/bin"
+  cat > "$venv/bin/python" <<'TRAINER'
+{_FAKE_TRAINER}TRAINER
+  chmod +x "$venv/bin/python"
+elif [[ $1 == pip && $2 == freeze ]]; then
+  printf 'flax==0.12.8\\njax==0.10.2\\njaxlib==0.10.2\\nlibtpu==0.0.42.1\\n'
+fi
+"""
 
 
-def test_tpu_vm_dry_run_prints_and_runs_nothing(tmp_path):
-  record = tmp_path / "calls.txt"
-  folder = _stand_in(tmp_path, "gcloud", f'echo called >> {record}\n')
-  env = dict(os.environ, PATH=f"{folder}:{os.environ['PATH']}")
-  result = subprocess.run(
-      ["launch/tpu_vm.sh", "--tpu=t", "--zone=z", "--dry-run", "--", "--config=c.py",
-       "--workdir=w"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+class FakeSlice:
+  """The stand-in gcloud and a temporary git repository holding launch/tpu_vm.sh."""
+
+  def __init__(self, tmp_path, workers=2, simulate=True):
+    self.root = tmp_path / "slice"
+    self.root.mkdir()
+    for i in range(workers):
+      (self.root / f"worker-{i}").mkdir()
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for name, body in (("gcloud", f"#!{sys.executable}\n{_GCLOUD}"),
+                       ("curl", '#!/usr/bin/env bash\necho "$FAKE_WORKER"\n'),
+                       ("sudo", '#!/usr/bin/env bash\necho "sudo $*" >> "$FAKE_TPU_ROOT/sudo.txt"\n'),
+                       ("uv", "#!/usr/bin/env bash\n" + _UV)):
+      (tools / name).write_text(body)
+      (tools / name).chmod(0o755)
+    self.env = dict(os.environ, PATH=f"{tools}:{os.environ['PATH']}",
+                    FAKE_TPU_ROOT=str(self.root), FAKE_TPU_WORKERS=str(workers),
+                    FAKE_TPU_SIMULATE="1" if simulate else "0")
+    self.repo = tmp_path / "repo"
+    for path, text in (("configs/c.py", "size = 1\n"), ("trainer/main.py", "# trainer\n"),
+                       ("old.py", "# removed later\n"), (".gitignore", "ignored/\n")):
+      (self.repo / path).parent.mkdir(parents=True, exist_ok=True)
+      (self.repo / path).write_text(text)
+    (self.repo / "launch").mkdir()
+    shutil.copy(os.path.join(ROOT, "launch", "tpu_vm.sh"), self.repo / "launch")
+    self.git("init", "-q")
+    self.git("add", "-A")
+    self.git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+
+  def git(self, *args):
+    subprocess.run(["git", *args], cwd=self.repo, check=True, capture_output=True)
+
+  def launch(self, *args, timeout=60):
+    return subprocess.run(["launch/tpu_vm.sh", *args], cwd=self.repo, env=self.env,
+                          capture_output=True, text=True, timeout=timeout)
+
+  def calls(self):
+    path = self.root / "calls.jsonl"
+    if not path.exists():
+      return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+  def home(self, i):
+    return self.root / f"worker-{i}"
+
+  def pid(self, i):
+    return int((self.home(i) / "cutbce" / "logs" / f"worker-{i}.pid").read_text())
+
+  def kill_all(self):
+    for pid_file in self.root.glob("worker-*/cutbce/logs/*.pid"):
+      try:
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+      except (ProcessLookupError, ValueError):
+        pass
+
+
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited
+    return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture
+def fake_slice(tmp_path):
+  fake = FakeSlice(tmp_path)
+  yield fake
+  fake.kill_all()
+
+
+TRAINER_FLAGS = ["--", "--config=configs/yambda50m_v6e8.py", "--workdir=gs://b/run",
+                 "--config.seed=3"]
+TARGET = ["--tpu=my-v6e", "--zone=us-east5-b", "--project=p"]
+
+
+def test_tpu_vm_start_runs_gcloud_on_every_worker(tmp_path):
+  fake = FakeSlice(tmp_path, simulate=False)
+  result = fake.launch(*TARGET, *TRAINER_FLAGS)
   assert result.returncode == 0, result.stderr
-  assert not record.exists()
-  lines = result.stdout.splitlines()
-  assert len(lines) == 4 and all(line.startswith("gcloud compute tpus tpu-vm") for line in lines)
+  calls = fake.calls()
+  assert [call[:4] for call in calls] == [["compute", "tpus", "tpu-vm", "scp"]] + [
+      ["compute", "tpus", "tpu-vm", "ssh"]] * 3
+  assert all("--worker=all" in call and "--zone=us-east5-b" in call and "--project=p" in call
+             for call in calls)
+  assert calls[0][5] == "my-v6e:cutbce-code.tar.gz"
+  assert all(call[4] == "my-v6e" for call in calls[1:])
+  stop, install, start = (call[-1].removeprefix("--command=") for call in calls[1:])
+  assert "kill -TERM" in stop and "libtpu_lockfile" in stop
+  assert "uv venv --quiet --clear --python 3.11" in install
+  assert "uv pip install" in install and "'jax[tpu]==0.10.2' gcsfs" in install
+  assert ('"$dir/.venv/bin/python" -m trainer.main --distributed '
+          "--config=configs/yambda50m_v6e8.py --workdir=gs://b/run --config.seed=3") in start
+  # Detached: own session, no hang-up, every stream off the ssh channel.
+  assert "setsid nohup bash -c" in start and '>> "$log" 2>&1 < /dev/null &' in start
+  assert "JAX_COMPILATION_CACHE_DIR=gs://b/run/jax_cache setsid" in start
+
+
+def test_tpu_vm_install_copies_and_installs_without_starting(fake_slice):
+  fake = fake_slice
+  result = fake.launch("install", *TARGET)
+  assert result.returncode == 0, (result.stdout, result.stderr)
+  assert [call[3] for call in fake.calls()] == ["scp", "ssh", "ssh"]
+  for i in (0, 1):
+    assert (fake.home(i) / "cutbce" / "configs" / "c.py").exists()
+    assert (fake.home(i) / "cutbce" / ".venv" / "bin" / "python").exists()
+    assert not (fake.home(i) / "cutbce" / "logs" / f"worker-{i}.pid").exists()
+    assert "gcsfs" not in (fake.root / f"uv-worker-{i}.txt").read_text()
+  assert "worker 1: installed jax==0.10.2" in result.stdout and "started" not in result.stdout
+
+
+def test_tpu_vm_dry_run_prints_every_command_and_runs_nothing(tmp_path):
+  fake = FakeSlice(tmp_path, simulate=False)
+  result = fake.launch("--tpu=t", "--zone=z", "--dry-run", "--jax=jax[tpu]>=0.10.2,<0.11", "--",
+                       "--config=c.py", "--workdir=/data/run")
+  assert result.returncode == 0, result.stderr
+  assert not fake.calls()
+  commands = [line for line in result.stdout.splitlines() if line.startswith("gcloud ")]
+  assert len(commands) == 4
+  assert commands[0].startswith("gcloud compute tpus tpu-vm scp /tmp/tpu_vm.XXXXXX/")
+  assert all(line.startswith("gcloud compute tpus tpu-vm ssh t --zone=z --worker=all "
+                             "--command=\"$(cat <<'REMOTE'") for line in commands[1:])
+  assert result.stdout.count("\nREMOTE\n)\"\n") == 3
+  assert "'jax[tpu]>=0.10.2,<0.11'" in result.stdout and "gcsfs" not in result.stdout
+  assert "JAX_COMPILATION_CACHE_DIR=/data/run/jax_cache" in result.stdout
+  # What it prints is a shell script.
+  assert subprocess.run(["bash", "-n"], input=result.stdout, text=True).returncode == 0
+
+
+@pytest.mark.parametrize("subcommand, extra, worker, remote", [
+    ("status", [], "all", "never started here"),
+    ("logs", [], "0", 'tail -n 100 "$log"'),
+    ("logs", ["--worker=3", "--lines=7", "--follow"], "3", 'tail -n 7 -F "$log"'),
+    ("stop", [], "all", "GRACE=300 FORCE=0\nstop_trainer"),
+    ("stop", ["--force", "--grace=5"], "all", "GRACE=5 FORCE=1\nstop_trainer || status=$?\nsudo rm -f /tmp/libtpu_lockfile"),
+])
+def test_tpu_vm_subcommands_run_one_ssh(tmp_path, subcommand, extra, worker, remote):
+  fake = FakeSlice(tmp_path, simulate=False)
+  result = fake.launch(subcommand, *TARGET, *extra)
+  assert result.returncode == 0, result.stderr
+  [call] = fake.calls()
+  assert call[:5] == ["compute", "tpus", "tpu-vm", "ssh", "my-v6e"]
+  assert call[5:8] == ["--zone=us-east5-b", "--project=p", f"--worker={worker}"]
+  assert remote in call[8] and call[8].startswith("--command=")
+  # The same command, printed by --dry-run and pasted into a shell.
+  printed = fake.launch(subcommand, *TARGET, *extra, "--dry-run")
+  assert printed.returncode == 0 and len(fake.calls()) == 1
+  subprocess.run(["bash", "-c", printed.stdout], env=fake.env, check=True)
+  assert fake.calls()[1] == call
+
+
+def test_tpu_vm_start_copies_the_working_tree_and_detaches(fake_slice):
+  fake = fake_slice
+  (fake.repo / "configs" / "c.py").write_text("size = 2  # uncommitted\n")
+  (fake.repo / "notes.txt").write_text("untracked\n")
+  (fake.repo / "ignored").mkdir()
+  (fake.repo / "ignored" / "big.bin").write_text("ignored\n")
+  result = fake.launch(*TARGET, *TRAINER_FLAGS)
+  assert result.returncode == 0, (result.stdout, result.stderr)
+  assert "uncommitted changes to: configs/c.py" in result.stderr
+  assert "NOT copied: 1 untracked file(s)" in result.stderr and "  notes.txt" in result.stderr
+  assert "ignored/big.bin" not in result.stderr
+  for i in (0, 1):
+    copy = fake.home(i) / "cutbce"
+    assert (copy / "configs" / "c.py").read_text() == "size = 2  # uncommitted\n"
+    assert (copy / "launch" / "tpu_vm.sh").exists()
+    assert not (copy / "notes.txt").exists() and not (copy / "ignored").exists()
+    assert not (fake.home(i) / "cutbce-code.tar.gz").exists()
+    assert f"worker {i}: started (pid {fake.pid(i)})" in result.stdout
+    assert f"worker {i}: installed jax==0.10.2 jaxlib==0.10.2 libtpu==0.0.42.1" in result.stdout
+    uv = (fake.root / f"uv-worker-{i}.txt").read_text()
+    assert f"uv venv --quiet --clear --python 3.11 {copy}/.venv" in uv
+    assert f"-e {copy} jax[tpu]==0.10.2 gcsfs" in uv
+    # The ssh session has ended; the trainer runs on, in a session of its own.
+    pid = fake.pid(i)
+    assert _alive(pid) and os.getsid(pid) not in (os.getsid(0), pid)
+    log = (copy / "logs" / f"worker-{i}.log").read_text()
+    assert (" -m trainer.main --distributed --config=configs/yambda50m_v6e8.py "
+            "--workdir=gs://b/run --config.seed=3") in log
+    assert f"JAX_COMPILATION_CACHE_DIR=gs://b/run/jax_cache cwd={copy}" in log
+  assert "sudo rm -f /tmp/libtpu_lockfile" in (fake.root / "sudo.txt").read_text()
+
+
+def test_tpu_vm_status_logs_stop_and_restart(fake_slice):
+  fake = fake_slice
+  assert fake.launch(*TARGET, *TRAINER_FLAGS).returncode == 0
+  first = [fake.pid(0), fake.pid(1)]
+
+  status = fake.launch("status", *TARGET)
+  assert status.returncode == 0, status.stderr
+  for i in (0, 1):
+    assert f"worker {i}: running (pid {first[i]}, up " in status.stdout
+  assert status.stdout.count("| JAX_COMPILATION_CACHE_DIR=") == 2
+
+  logs = fake.launch("logs", *TARGET, "--worker=1", "--lines=3")
+  assert logs.returncode == 0, logs.stderr
+  lines = logs.stdout.splitlines()
+  assert len(lines) == 3 and lines[0].startswith("=== tpu_vm.sh start ") and "worker 1" in lines[0]
+  every = fake.launch("logs", *TARGET, "--worker=all", "--lines=1").stdout.splitlines()
+  assert sorted(line[:11] for line in every) == ["[worker 0] ", "[worker 1] "]
+
+  # start again: the running trainer gets SIGTERM first; a file deleted since
+  # the last copy is deleted on the workers too.
+  fake.git("rm", "-q", "old.py")
+  assert (fake.home(0) / "cutbce" / "old.py").exists()
+  again = fake.launch(*TARGET, *TRAINER_FLAGS)
+  assert again.returncode == 0, (again.stdout, again.stderr)
+  for i in (0, 1):
+    assert f"worker {i}: SIGTERM to the trainer (pid {first[i]})" in again.stdout
+    assert f"worker {i}: stopped (exit status 0)" in again.stdout
+    assert not _alive(first[i]) and _alive(fake.pid(i)) and fake.pid(i) != first[i]
+    assert not (fake.home(i) / "cutbce" / "old.py").exists()
+    uv = (fake.root / f"uv-worker-{i}.txt").read_text()
+    assert uv.count("uv venv") == 1  # the environment is kept
+  second = [fake.pid(0), fake.pid(1)]
+
+  stop = fake.launch("stop", *TARGET, "--grace=20")
+  assert stop.returncode == 0, (stop.stdout, stop.stderr)
+  for i in (0, 1):
+    assert f"worker {i}: stopped (exit status 0)" in stop.stdout
+    assert not _alive(second[i])
+    log = (fake.home(i) / "cutbce" / "logs" / f"worker-{i}.log").read_text()
+    assert log.count("fake trainer: SIGTERM, checkpoint saved") == 2
+  status = fake.launch("status", *TARGET)
+  assert status.stdout.count("not running (exit status 0) | === trainer exited with status 0") == 2
+  assert "no trainer running" in fake.launch("stop", *TARGET).stdout
+
+
+def test_tpu_vm_start_reports_a_trainer_that_dies_at_once(fake_slice):
+  fake = fake_slice
+  result = fake.launch(*TARGET, *TRAINER_FLAGS)
+  assert result.returncode == 0
+  fake.launch("stop", *TARGET)
+  for i in (0, 1):  # A trainer that exits at once, as one with a bad flag does.
+    (fake.home(i) / "cutbce" / ".venv" / "bin" / "python").write_text(
+        "#!/usr/bin/env bash\n[[ $1 == -c ]] && exit 0\necho 'bad config: config.seed=-1'\nexit 2\n")
+  result = fake.launch(*TARGET, *TRAINER_FLAGS)
+  assert result.returncode != 0
+  assert "worker 0: the trainer exited at once" in result.stdout
+  assert "bad config: config.seed=-1" in result.stdout
+  assert "not running (exit status 2)" in fake.launch("status", *TARGET).stdout
+
+
+def test_tpu_vm_stop_waits_the_grace_then_force_kills(fake_slice):
+  fake = fake_slice
+  for i in (0, 1):  # A trainer that ignores SIGTERM (stuck in a save, say).
+    venv = fake.home(i) / "cutbce" / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text("#!/usr/bin/env bash\n[[ $1 == -c ]] && exit 0\n"
+                                 "trap '' TERM\nfor _ in $(seq 600); do sleep 0.2; done\n")
+    (venv / "python").chmod(0o755)
+  assert fake.launch(*TARGET, *TRAINER_FLAGS).returncode == 0
+  pids = [fake.pid(0), fake.pid(1)]
+  stop = fake.launch("stop", *TARGET, "--grace=1")
+  assert stop.returncode != 0
+  assert stop.stdout.count("still running after 1s") == 2 and all(map(_alive, pids))
+  stop = fake.launch("stop", *TARGET, "--force")
+  assert stop.returncode == 0, stop.stdout
+  assert stop.stdout.count("stopped (exit status 137)") == 2
+  assert not any(map(_alive, pids))
+  assert "sudo rm -f /tmp/libtpu_lockfile" in (fake.root / "sudo.txt").read_text()
 
 
 def test_tpu_vm_needs_tpu_and_zone():
@@ -61,15 +360,37 @@ def test_tpu_vm_needs_tpu_and_zone():
   assert result.returncode == 2 and "--tpu=NAME and --zone=ZONE" in result.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--", "--config=c.py"], "pass --workdir=DIR"),
+    (["status", "--", "--config=c.py"], "status takes no trainer flags"),
+    (["logs", "--worker=x"], "--worker=x: a worker number or all"),
+    (["--worker=1", "--", "--workdir=w"], "start runs on every worker"),
+    (["install", "--worker=0"], "install runs on every worker"),
+    (["--bogus"], "unknown option --bogus"),
+    (["stop", "logs"], "one subcommand at a time"),
+    (["--python=3", "--", "--workdir=w"], "--python=3: a version such as 3.11"),
+])
+def test_tpu_vm_rejects_bad_flags(args, message):
+  result = subprocess.run(["launch/tpu_vm.sh", "--tpu=t", "--zone=z", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+  assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
 def test_local_stops_everyone_when_one_process_fails(tmp_path):
-  # A stand-in python: process 1 fails at once, the others would run forever.
+  # A stand-in python: process 1 fails as soon as the others are ready (their
+  # TERM trap set: on a loaded machine "at once" could beat it), the others
+  # would run forever.
   marker = tmp_path / "stopped"
   fake = _stand_in(tmp_path, "fakepython", f"""
 for arg in "$@"; do
   case "$arg" in --process_id=*) id=${{arg#*=}} ;; esac
 done
-if [[ $id == 1 ]]; then echo "process 1 fails" >&2; exit 7; fi
+if [[ $id == 1 ]]; then
+  for _ in $(seq 100); do [[ -f {tmp_path}/ready-0 && -f {tmp_path}/ready-2 ]] && break; sleep 0.1; done
+  echo "process 1 fails" >&2; exit 7
+fi
 trap 'echo $id >> {marker}; exit 143' TERM
+touch {tmp_path}/ready-$id
 while true; do sleep 0.1; done
 """)
   env = dict(os.environ, PYTHON=str(fake / "fakepython"))
