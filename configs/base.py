@@ -30,6 +30,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh.shape = (1,)
   config.mesh.token_axes = ("data",)
   config.mesh.vocab_axis = ml_collections.config_dict.placeholder(str)
+  # Several TPU slices (multi-slice over DCN): of each size of mesh.shape, how
+  # many slices it spans, e.g. shape (4, 4) and dcn_shape (2, 1) for 2 slices
+  # of 8 chips with the data axis across them (None = one slice).
+  config.mesh.dcn_shape = ml_collections.config_dict.placeholder(tuple)
 
   # SASRec shape; dtype is the compute dtype ("float32" or "bfloat16").
   config.model = ml_collections.ConfigDict()
@@ -39,6 +43,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.mlp_dim = 256
   config.model.dropout_rate = 0.2
   config.model.dtype = "float32"
+  # A learned logit bias per item (initialised at -log V), used by the loss,
+  # the ranking, recommend and export.
+  config.model.item_bias = False
 
   # AdamW with linear warm-up, then constant or cosine decay to 0; gradient
   # clipping by global norm; weight decay on matrices only (not the item or
@@ -53,11 +60,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer.clip_norm = 1.0
 
   # Data: a `trainer.data` source, prepared once into `prepared_dir`
-  # (default WORKDIR/data; reused when its manifest records the same source,
-  # options, min counts and split).
+  # (default WORKDIR/data; local or gs://; reused when its manifest records
+  # the same source, options, min counts and split). "{process}" in it is
+  # replaced by the process index.
   config.data = ml_collections.ConfigDict()
   config.data.dataset = "synthetic"
   config.data.prepared_dir = ml_collections.config_dict.placeholder(str)
+  # False: process 0 prepares into a folder every host reads (gs://, a shared
+  # disk, or one machine) while the others wait. True: every process prepares
+  # its own identical copy into `prepared_dir`, a local folder on each host.
+  config.data.prepare_per_host = False
   # Keyword options of the source loader (sizes and seed for synthetic, path
   # for yambda, cache_dir for MovieLens, path and column names for files); a
   # command-line override may add any option the source documents.

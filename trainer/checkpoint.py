@@ -7,10 +7,29 @@ Each checkpoint `WORKDIR/checkpoints/<step>/` holds two items:
   data:  the grain training iterator's position (one file per process), so a
          resumed run reads exactly the batches an uninterrupted one would.
 
-`latest_step` + `restore` give auto-resume. `PreemptionFlag` turns SIGTERM into
-a flag the loop polls: it saves a checkpoint at the current step and exits 0.
-Saving is synchronous: a checkpoint on disk is complete before the loop
-moves on (or exits), which is what preemption and NaN handling rely on.
+`latest_step` + `restore` give auto-resume; `restore` reads each array
+straight onto its target sharding, so a resumed run never holds a fresh
+state beside the restored one.
+
+Asynchronous saving (orbax's default, as its authors intend): `save` returns
+once the arrays are copied to host memory (orbax copies device arrays to the
+host before it returns, so the next step may donate the state), and a
+background thread writes them. Orbax writes a step into
+`<step>.orbax-checkpoint-tmp/` and renames it to `<step>/` only once
+every item is written (the commit; orbax's `atomicity` module has the
+variants for other file systems), so a process killed mid-write leaves a
+temporary folder that `latest_step` never lists and the previous checkpoint
+stays the latest; the trainer's manager deletes such leftovers when it
+starts (`cleanup_tmp=True`). Old checkpoints are deleted only after the new
+one is committed. `save(..., wait=True)` (or `manager.wait_until_finished()`)
+returns once the checkpoint is committed: the trainer waits on preemption,
+before restoring the best checkpoint, and before it exits (`manager.close()`).
+
+When to save: `make_manager(..., save_interval_steps=n)` gives orbax the
+decision policy `AnySavePolicy([FixedIntervalPolicy(n),
+PreemptionCheckpointingPolicy()])`, so `manager.should_save(step)` is true
+every n steps and at JAX's preemption sync point (see `PreemptionNotice`);
+orbax's `InitialSavePolicy` (a save at the first step) is left out.
 
 Best checkpoint. A checkpoint saved with `metrics` (the rank metrics of the
 periodic evaluation at its step) stores them beside its items (orbax's
@@ -49,35 +68,47 @@ def metric_fn(best_metric: str):
 
 
 def make_manager(directory: str | os.PathLike, max_to_keep: int | None,
-                 best_metric: str | None = None) -> ocp.CheckpointManager:
-  """A CheckpointManager over `directory` with items "state" and "data".
+                 best_metric: str | None = None, *, save_interval_steps: int | None = None,
+                 cleanup_tmp: bool = False) -> ocp.CheckpointManager:
+  """An asynchronous CheckpointManager over `directory` with items "state" and "data".
 
   Args:
     directory: the checkpoints folder (`WORKDIR/checkpoints`).
     max_to_keep: the latest checkpoints kept (None: all).
     best_metric: also keep the checkpoint with the highest value of this
       rank metric among those saved with metrics (None: latest ones only).
+    save_interval_steps: `manager.should_save(step)` is true every this many
+      steps and at the preemption sync point (None: only at the latter;
+      `save` always saves).
+    cleanup_tmp: delete the temporary folders of saves that never committed
+      (a killed process) when the manager starts. Only the training run's
+      manager does; a reader (evaluate, export) must not, as a run may be
+      writing into one.
   """
+  policies = ocp.checkpoint_managers
+  save_policies = [policies.PreemptionCheckpointingPolicy()]
+  if save_interval_steps is not None:
+    save_policies.insert(0, policies.FixedIntervalPolicy(save_interval_steps))
+  common = dict(create=True, enable_async_checkpointing=True, cleanup_tmp_directories=cleanup_tmp,
+                save_decision_policy=policies.AnySavePolicy(save_policies))
   if best_metric is None:
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False)
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, **common)
   else:
-    policies = ocp.checkpoint_managers
     best = metric_fn(best_metric)
     options = ocp.CheckpointManagerOptions(
-        create=True, enable_async_checkpointing=False, best_fn=best, best_mode="max",
-        keep_checkpoints_without_metrics=False,
+        best_fn=best, best_mode="max", keep_checkpoints_without_metrics=False,
         preservation_policy=policies.AnyPreservationPolicy([
             policies.LatestN(n=max_to_keep),
             policies.BestN(get_metric_fn=best, reverse=False, n=1,
-                           keep_checkpoints_without_metrics=False)]))
-  return ocp.CheckpointManager(os.path.abspath(directory), options=options,
+                           keep_checkpoints_without_metrics=False)]), **common)
+  return ocp.CheckpointManager(directory if "://" in os.fspath(directory)  # gs:// as given
+                               else os.path.abspath(directory), options=options,
                                item_names=("state", "data"))
 
 
 def save(manager: ocp.CheckpointManager, step: int, state, iterator,
-         metrics: dict[str, float] | None = None) -> None:
-  """Saves state and iterator position at `step` (no-op if `step` exists).
+         metrics: dict[str, float] | None = None, *, wait: bool = True) -> None:
+  """Saves state and iterator position at `step` (no save if `step` exists).
 
   Args:
     manager: from `make_manager`.
@@ -86,14 +117,19 @@ def save(manager: ocp.CheckpointManager, step: int, state, iterator,
     iterator: the grain training iterator.
     metrics: the periodic evaluation's metrics at `step`, ranked for the best
       checkpoint (None: a checkpoint that is never "best").
+    wait: return once the checkpoint is committed on disk (also when `step`
+      was saved before and is still being written). False: return once the
+      state is copied to host memory and the iterator position taken; the
+      write goes on in the background (a previous one still running is
+      waited for first, by orbax).
   """
-  if step in manager.all_steps():
-    return
-  manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state),
-      data=grain.checkpoint.CheckpointSave(iterator)), force=True,
-      metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()})
-  manager.wait_until_finished()
+  if step not in manager.all_steps():
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=grain.checkpoint.CheckpointSave(iterator)), force=True,
+        metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()})
+  if wait:
+    manager.wait_until_finished()
 
 
 def latest_step(manager: ocp.CheckpointManager) -> int | None:
@@ -120,7 +156,8 @@ def restore_params(directory: str | os.PathLike, step: int, abstract_params):
     The params, placed as `abstract_params` says.
   """
   item = {"params": abstract_params}
-  path = os.path.join(os.path.abspath(directory), str(step), "state")
+  path = os.path.join(directory if "://" in os.fspath(directory) else os.path.abspath(directory),
+                      str(step), "state")
   with ocp.PyTreeCheckpointer() as checkpointer:
     restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
@@ -140,28 +177,75 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state, iterator)
   return restored.state
 
 
-class PreemptionFlag:
-  """Set by SIGTERM; `is_set()` agrees across processes.
+def _preemption_sync_manager_running() -> bool:
+  """Whether JAX's preemption sync manager runs in this process.
 
-  Every process must take part in a checkpoint, so when one process receives
-  the signal all of them stop at the same step: the flag is combined over
-  processes (logical or) each time it is read.
+  It starts with `jax.distributed.initialize()` unless the config
+  `jax_enable_preemption_service` is off. `jax._src.distributed` is private;
+  the public `reached_preemption_sync_point` answers False both without a
+  distributed client and before any notice, so it cannot tell.
+  """
+  try:
+    from jax._src import distributed  # pylint: disable=import-outside-toplevel
+  except ImportError:  # pragma: no cover
+    return False
+  state = distributed.global_state
+  return state.client is not None and getattr(state, "preemption_sync_manager", None) is not None
+
+
+class PreemptionNotice:
+  """Whether to save and stop before the step `step`: the same answer on every process.
+
+  Every process must take part in a checkpoint, so all of them stop at the
+  same step. Three ways, chosen when it is made (`mode`):
+
+  "sync_point": `jax.distributed` is initialised and its preemption sync
+    manager runs (the default). The coordination service's notifier catches
+    SIGTERM in C++ (on Cloud TPU this is how a preemption or, with
+    Autocheckpoint enabled, a maintenance event is announced), tells every
+    process, and agrees on the step after the largest one any process has
+    reached. `reached(step)` is orbax's `CheckpointManager.reached_preemption`
+    (`multihost_utils.reached_preemption_sync_point`): a local lookup, no
+    collective; it must be called at every step, with the same step numbers
+    on every process. No Python handler is installed (it would replace the
+    notifier's).
+  "local": one process and no sync manager (`python -m trainer.main` without
+    coordinator flags, the tests). A Python SIGTERM handler sets a flag that
+    `reached` reads: nothing to agree on, no collective.
+  "combined": several processes but the preemption service is off
+    (`jax_enable_preemption_service=False`). The Python handler's flags are
+    combined (logical or, one `process_allgather`) only at steps that are
+    multiples of `combine_every`, where the loop reads metrics anyway; the
+    stop comes up to `combine_every - 1` steps after the signal.
   """
 
-  def __init__(self):
+  def __init__(self, *, combine_every: int = 1):
+    self._combine_every = max(int(combine_every), 1)
     self._set = False
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
+    self._previous = None
+    if _preemption_sync_manager_running():
+      self.mode = "sync_point"
+    else:
+      self.mode = "local" if jax.process_count() == 1 else "combined"
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
 
   def _handle(self, signum, frame):
     del signum, frame
     self._set = True
 
-  def is_set(self) -> bool:
-    if jax.process_count() == 1:
+  def reached(self, step: int) -> bool:
+    """True when the loop must save the state of `step` and stop (call at every step)."""
+    if self.mode == "sync_point":
+      return ocp.multihost.reached_preemption(step)
+    if self.mode == "local":
       return self._set
+    if step % self._combine_every:
+      return False
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    flags = multihost_utils.process_allgather(np.array(self._set))
-    return bool(np.any(flags))
+    return bool(np.any(multihost_utils.process_allgather(np.array(self._set))))
 
-  def restore_handler(self) -> None:
-    signal.signal(signal.SIGTERM, self._previous)
+  def close(self) -> None:
+    """Puts back the SIGTERM handler found at start (if one was replaced)."""
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None

@@ -39,7 +39,7 @@ def check_config(config, device_count: int | None = None, *, workdir: str | None
   device_count = jax.device_count() if device_count is None else device_count
   fill_mesh_shape(config, device_count)
   context = config_schema.Context(
-      device_count=device_count,
+      device_count=device_count, slice_count=slice_count(),
       process_count=jax.process_count(), process_index=jax.process_index(), workdir=workdir)
   config_schema.check(config, context)
 
@@ -85,10 +85,47 @@ def vocab_shard_count(config) -> int:
   return dict(zip(config.mesh.axis_names, config.mesh.shape))[config.mesh.vocab_axis]
 
 
+def _slices_are_processes(devices) -> bool:
+  """Whether the run's slices are its processes: devices other than TPUs (a CPU in
+  a multi-process run reports `slice_index` 0 for every device)."""
+  return devices[0].platform != "tpu" or not hasattr(devices[0], "slice_index")
+
+
+def slice_count(devices=None) -> int:
+  """Slices of the run: distinct `slice_index` of TPU devices, else processes."""
+  devices = jax.devices() if devices is None else devices
+  if _slices_are_processes(devices):
+    return len({device.process_index for device in devices})
+  return len({device.slice_index for device in devices})
+
+
+def mesh_devices(config, devices=None) -> np.ndarray:
+  """The devices of `config.mesh` as an array of shape `mesh.shape`.
+
+  One slice: `mesh_utils.create_device_mesh` (the ICI topology's order, what
+  `jax.make_mesh` uses). With `mesh.dcn_shape`: jax's hybrid mesh, each
+  slice (each process, off TPU) a block of
+  `mesh.shape / mesh.dcn_shape` devices, so that only the axes spanning
+  slices cross the slower data-center network.
+  """
+  from jax.experimental import mesh_utils  # pylint: disable=import-outside-toplevel
+  devices = jax.devices() if devices is None else devices
+  shape = tuple(config.mesh.shape)
+  dcn = config.mesh.get("dcn_shape")
+  if dcn is None:
+    return mesh_utils.create_device_mesh(shape, devices)
+  ici = tuple(size // count for size, count in zip(shape, dcn))
+  return mesh_utils.create_hybrid_device_mesh(
+      ici, tuple(dcn), devices, process_is_granule=_slices_are_processes(devices))
+
+
 def make_mesh(config) -> Mesh:
-  """The global device mesh of `config.mesh` (axis types Auto)."""
-  shape, names = tuple(config.mesh.shape), tuple(config.mesh.axis_names)
-  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+  """The global device mesh of `config.mesh` (axis types Auto; see `mesh_devices`)."""
+  names = tuple(config.mesh.axis_names)
+  if config.mesh.get("dcn_shape") is None:
+    return jax.make_mesh(tuple(config.mesh.shape), names,
+                         axis_types=(AxisType.Auto,) * len(names))
+  return Mesh(mesh_devices(config), names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def describe_mesh(mesh: Mesh) -> str:

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 from etils import epath
 
 from cutbce.api import BACKEND_CHOICES
+from trainer import paths
 from trainer.data import files, prepare, sources, splits, yambda
 from trainer.schema import (BOOL, FLOAT, INT, INTS, STR, STRS, ConfigError, Rule, above,
                             at_least, flatten, fraction, key, one_of, sections_of, unit)
@@ -63,6 +64,8 @@ KEYS: tuple[schema.Key, ...] = (
     key("mesh.axis_names", STRS, None, "names of the device mesh axes", sequence="distinct"),
     key("mesh.shape", INTS, at_least(1), "sizes of the mesh axes (one may be -1: the "
         "devices the others leave)", sequence="nonempty"),
+    key("mesh.dcn_shape", INTS, at_least(1), "of each size, how many slices it spans "
+        "(over DCN); None: one slice", sequence="nonempty", none_ok=True),
     key("mesh.token_axes", STRS, None, "axes splitting the batch (tokens)", sequence="distinct"),
     key("mesh.vocab_axis", STR, None, "axis splitting the item table by rows (None: replicated)",
         none_ok=True),
@@ -72,6 +75,7 @@ KEYS: tuple[schema.Key, ...] = (
     key("model.mlp_dim", INT, at_least(1), "hidden size of each block's feed-forward"),
     key("model.dropout_rate", FLOAT, fraction(), "dropout probability (attention, blocks)"),
     key("model.dtype", STR, one_of("float32", "bfloat16"), "compute dtype (params are float32)"),
+    key("model.item_bias", BOOL, None, "a learned logit bias per item (init -log V)"),
     key("optimizer.learning_rate", FLOAT, above(0), "peak learning rate of AdamW"),
     key("optimizer.warmup_steps", INT, at_least(0), "linear warm-up steps from 0"),
     key("optimizer.schedule", STR, one_of("constant", "cosine"), "after warm-up: constant, "
@@ -81,8 +85,12 @@ KEYS: tuple[schema.Key, ...] = (
     key("optimizer.weight_decay", FLOAT, at_least(0), "AdamW weight decay (matrices only)"),
     key("optimizer.clip_norm", FLOAT, above(0), "gradients clipped to this global norm"),
     key("data.dataset", STR, one_of(*sources.SOURCE_NAMES), "the `trainer.data` source"),
-    key("data.prepared_dir", STR, None, "folder of the prepared data (None: WORKDIR/data)",
+    key("data.prepared_dir", STR, None, "folder of the prepared data, local or gs://... "
+        "(None: WORKDIR/data); `{process}` in it is replaced by the process index",
         none_ok=True),
+    key("data.prepare_per_host", BOOL, None, "every process prepares its own copy into its "
+        "local `data.prepared_dir` (a barrier after), instead of process 0 alone into a folder "
+        "every host reads"),
     key("data.min_item_count", INT, at_least(0), "keep items with >= k interactions "
         "(None: 5 for MovieLens, 1 for Yambda and files, 0 = whole catalog for synthetic)",
         none_ok=True),
@@ -168,12 +176,16 @@ class Context(NamedTuple):
     process_index: this process (only process 0 prepares data).
     workdir: the run's directory, or None: then the rules that look at files
       (raw data needed because nothing is prepared yet) are skipped.
+    slice_count: TPU slices of the run (distinct `slice_index` of the
+      devices), or its processes off TPU; what the
+      product of `mesh.dcn_shape` must equal.
   """
 
   device_count: int
   process_count: int = 1
   process_index: int = 0
   workdir: str | None = None
+  slice_count: int = 1
 
 
 def name(path: str) -> str:
@@ -181,9 +193,25 @@ def name(path: str) -> str:
   return "config." + path
 
 
-def prepared_folder(prepared_dir: str | None, workdir: str) -> str:
-  """Where the run's prepared data lives: `prepared_dir`, else WORKDIR/data."""
-  return prepared_dir or os.path.join(workdir, "data")
+PROCESS_PLACEHOLDER = "{process}"
+
+
+def prepared_folder(prepared_dir: str | None, workdir: str | os.PathLike,
+                    process_index: int = 0) -> epath.Path:
+  """Where process `process_index` reads the prepared data: `prepared_dir`, else WORKDIR/data.
+
+  `{process}` in `prepared_dir` is replaced by the process index (with
+  `data.prepare_per_host`: a copy per process, e.g. several processes on one
+  machine). Local paths come back absolute, `gs://...` as given.
+
+  >>> str(prepared_folder("/data/prepared-{process}", "gs://bucket/run", 1))
+  '/data/prepared-1'
+  >>> str(prepared_folder(None, "gs://bucket/run"))
+  'gs://bucket/run/data'
+  """
+  if prepared_dir is None:
+    return paths.as_path(workdir) / "data"
+  return paths.as_path(prepared_dir.replace(PROCESS_PLACEHOLDER, str(process_index)))
 
 
 def token_shards(values: Mapping[str, Any]) -> int:
@@ -208,6 +236,22 @@ def _mesh_devices(values, context):
   if math.prod(shape) != context.device_count:
     return (f"sizes whose product is the {context.device_count} devices present "
             f"(jax.device_count()); {shape} covers {math.prod(shape)}")
+  return None
+
+
+def _dcn_shape(values, context):
+  dcn = values.get("mesh.dcn_shape")
+  if dcn is None:
+    return None
+  shape, dcn = tuple(values["mesh.shape"]), tuple(dcn)
+  if len(dcn) != len(shape):
+    return f"one number of slices per size of config.mesh.shape={shape}"
+  if any(size % count for size, count in zip(shape, dcn)):
+    return f"numbers of slices that divide the sizes of config.mesh.shape={shape}"
+  if math.prod(dcn) != context.slice_count:
+    return (f"numbers of slices whose product is the {context.slice_count} slices of the "
+            f"run (its processes, off TPU); {dcn} covers "
+            f"{math.prod(dcn)}")
   return None
 
 
@@ -259,26 +303,35 @@ def _options(values, section: str) -> dict[str, Any]:
   return {path[len(prefix):]: v for path, v in values.items() if path.startswith(prefix)}
 
 
-def prepared_differences(values: Mapping[str, Any], workdir: str) -> list[str]:
+def prepared_differences(values: Mapping[str, Any], workdir: str,
+                         process_index: int = 0) -> list[str]:
   """How the run's data folder differs from the flat config `values` ([]: use it as is).
 
   See `trainer.data.prepare.prepared_mismatch`.
   """
-  folder = prepared_folder(values.get("data.prepared_dir"), workdir)
+  folder = prepared_folder(values.get("data.prepared_dir"), workdir, process_index)
   return prepare.prepared_mismatch(
       folder, dataset=values["data.dataset"], source_options=_options(values, "source_options"),
       min_item_count=values.get("data.min_item_count"), split=values["data.split"],
       split_options=_options(values, "split_options"))
 
 
+def _prepares_here(values, context) -> bool:
+  """Whether this process prepares data (process 0, or each with `data.prepare_per_host`)
+  and the workdir is known (else files are not looked at)."""
+  return context.workdir is not None and (context.process_index == 0
+                                          or bool(values.get("data.prepare_per_host")))
+
+
 def _why_raw_data_is_read(values, context) -> str | None:
   """None when the prepared data is used as it is (or files are not looked at), else why not."""
-  if context.workdir is None or context.process_index != 0:
+  if not _prepares_here(values, context):
     return None
-  folder = prepared_folder(values.get("data.prepared_dir"), context.workdir)
+  folder = prepared_folder(values.get("data.prepared_dir"), context.workdir,
+                           context.process_index)
   if not prepare.has_manifest(folder):
     return f"nothing is prepared in {folder} yet, so the raw files are read"
-  if prepared_differences(values, context.workdir):
+  if prepared_differences(values, context.workdir, context.process_index):
     return f"the data in {folder} was prepared with other options, so the raw files are read"
   return None  # Prepared already: the raw files are not read.
 
@@ -319,16 +372,36 @@ def _files_filter_parses(values, context):
 
 
 def _prepared_dir_matches(values, context):
-  if (values.get("data.prepared_dir") is None or context.workdir is None
-      or context.process_index != 0):
+  if values.get("data.prepared_dir") is None or not _prepares_here(values, context):
     return None
-  if not prepare.has_manifest(values["data.prepared_dir"]):
+  folder = prepared_folder(values["data.prepared_dir"], context.workdir, context.process_index)
+  if not prepare.has_manifest(folder):
     return None  # Prepared there by this run.
-  differences = prepared_differences(values, context.workdir)
+  differences = prepared_differences(values, context.workdir, context.process_index)
   if differences:
     return ("a folder holding nothing yet or this data prepared with these options; it was "
             f"prepared with other options ({'; '.join(differences)}): use another folder, "
             "delete it, or leave config.data.prepared_dir unset (WORKDIR/data)")
+  return None
+
+
+def _per_host_folder_is_local(values, context):
+  del context
+  folder = values.get("data.prepared_dir")
+  if values["data.prepare_per_host"] and (folder is None or paths.is_remote(folder)):
+    return ("False, or True with config.data.prepared_dir set to a local folder (each host's "
+            f"own disk; {PROCESS_PLACEHOLDER} in it for processes sharing a disk), not "
+            f"{'WORKDIR/data' if folder is None else repr(folder)}: copies per host must not "
+            "share one folder")
+  return None
+
+
+def _placeholder_needs_per_host(values, context):
+  del context
+  folder = values.get("data.prepared_dir")
+  if folder is not None and PROCESS_PLACEHOLDER in folder and not values["data.prepare_per_host"]:
+    return (f"a folder without {PROCESS_PLACEHOLDER}, unless config.data.prepare_per_host=True: "
+            "process 0 alone prepares, into one folder that every process reads")
   return None
 
 
@@ -350,6 +423,8 @@ RULES: tuple[Rule, ...] = (
          doc="one size per axis name"),
     Rule(name="mesh_covers_devices", keys=("mesh.shape",), check=_mesh_devices,
          doc="the product of the sizes is `jax.device_count()`"),
+    Rule(name="dcn_shape_fits", keys=("mesh.dcn_shape", "mesh.shape"), check=_dcn_shape,
+         doc="`mesh.dcn_shape` divides `mesh.shape` and covers the run's slices"),
     Rule(name="token_axes_in_mesh", keys=("mesh.token_axes", "mesh.axis_names"),
          check=_token_axes_in_mesh, doc="every token axis is a mesh axis"),
     Rule(name="vocab_axis_in_mesh", keys=("mesh.vocab_axis", "mesh.axis_names"),
@@ -373,19 +448,28 @@ RULES: tuple[Rule, ...] = (
          keys=("data.source_options.path", "data.dataset", "data.prepared_dir"),
          check=_yambda_folder_exists,
          doc="for Yambda not yet prepared in the data folder: the parquet folder exists "
-         "(checked by process 0 when the workdir is known)"),
+         "(checked by each process that prepares, when the workdir is known)"),
     Rule(name="files_path_matches",
          keys=("data.source_options.path", "data.dataset", "data.prepared_dir"),
          check=_files_path_matches,
          doc="for files not yet prepared in the data folder: the path names at least one "
-         "data file (checked by process 0 when the workdir is known)"),
+         "data file (checked by each process that prepares, when the workdir is known)"),
     Rule(name="files_filter_parses", keys=("data.source_options.filter", "data.dataset"),
          check=_files_filter_parses, doc="the files filter is '<column> <op> <value>'"),
     Rule(name="prepared_dir_matches",
          keys=("data.prepared_dir", "data.dataset", "data.min_item_count", "data.split"),
          check=_prepared_dir_matches,
          doc="an explicit `data.prepared_dir` that holds a prepared dataset holds this one, "
-         "prepared with these options (checked by process 0 when the workdir is known)"),
+         "prepared with these options (checked by each process that prepares, when the "
+         "workdir is known)"),
+    Rule(name="per_host_folder_is_local", keys=("data.prepare_per_host", "data.prepared_dir"),
+         check=_per_host_folder_is_local,
+         doc="`data.prepare_per_host` needs `data.prepared_dir` set to a local folder (not "
+         "WORKDIR/data, not gs://)"),
+    Rule(name="process_placeholder_needs_per_host",
+         keys=("data.prepared_dir", "data.prepare_per_host"),
+         check=_placeholder_needs_per_host,
+         doc="`{process}` in `data.prepared_dir` only with `data.prepare_per_host`"),
     Rule(name="best_metric_is_evaluated", keys=("checkpoint.best_metric", "eval.ks"),
          check=_best_metric_is_evaluated,
          doc="`checkpoint.best_metric` is a metric the evaluation computes (k in `eval.ks`)"),

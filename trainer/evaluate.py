@@ -53,8 +53,8 @@ def eval_step(params, batch, *, graphdef, settings: train_lib.StepSettings, filt
   exclude = batch["exclude"] if filter_seen else None  # [B, E]
   ranks = cutbce_sharding.sharded_target_ranks(
       hidden, table, targets, mesh=settings.mesh, token_axes=settings.token_axes,
-      vocab_axis=settings.vocab_axis, exclude=exclude, backend=settings.backend,
-      num_items=settings.num_items,
+      vocab_axis=settings.vocab_axis, bias=model.output_bias, exclude=exclude,
+      backend=settings.backend, num_items=settings.num_items,
   )
   return cutbce.rank_metrics(ranks, ks=ks)
 

@@ -2,16 +2,34 @@
 
 Only process 0 writes files; every process may print. Each JSONL line is one
 object with `step`, a `kind` ("train" or "eval/<split>") and the metric names.
+
+The workdir may be local or `gs://...`; both files are written through
+`etils.epath`. An object in a bucket cannot be appended to, so on object
+storage each file is kept in memory and rewritten whole, at most every
+`REMOTE_FLUSH_SECONDS` and when the writer closes (a crash loses at most that
+much); locally every record is appended and flushed at once. A restart reads
+back the `metrics.jsonl` it continues. TensorBoard event files of a remote
+workdir go through the same path (`_ObjectEventFile`, registered as
+tensorboardX's writer for the scheme) rather than tensorboardX's own GCS
+client.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import threading
 import time
 
 import jax
 from absl import logging
+from etils import epath
+
+from trainer import paths
+
+# Seconds between two uploads of the log files to object storage.
+REMOTE_FLUSH_SECONDS = 30.0
 
 
 def format_duration(seconds: float) -> str:
@@ -21,39 +39,118 @@ def format_duration(seconds: float) -> str:
   return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
-class MetricWriter:
-  """Writes scalars to `metrics.jsonl` and TensorBoard (process 0 only)."""
+class _ObjectEventFile:
+  """A TensorBoard event file on object storage: bytes kept here, rewritten whole on flush.
 
-  def __init__(self, workdir: str):
+  What tensorboardX's `RecordWriter` needs of a file (`write`, `flush`,
+  `close`), through `epath`; tensorboardX calls it from its writer thread too.
+  """
+
+  def __init__(self, path: str):
+    self._path = epath.Path(path)
+    self._buffer = io.BytesIO()
+    self._uploaded = 0
+    self._lock = threading.Lock()
+
+  def write(self, data: bytes) -> None:
+    with self._lock:
+      self._buffer.write(data)
+
+  def flush(self) -> None:
+    with self._lock:
+      if self._buffer.tell() != self._uploaded:
+        self._path.write_bytes(self._buffer.getvalue())
+        self._uploaded = self._buffer.tell()
+
+  def close(self) -> None:
+    self.flush()
+
+
+class _ObjectEventFiles:
+  """tensorboardX writer factory (`record_writer.register_writer_factory`) over `epath`."""
+
+  def open(self, path: str) -> _ObjectEventFile:
+    return _ObjectEventFile(path)
+
+  def directory_check(self, path: str) -> None:
+    epath.Path(path).mkdir(parents=True, exist_ok=True)
+
+
+class MetricWriter:
+  """Writes scalars to `WORKDIR/metrics.jsonl` and TensorBoard (process 0 only).
+
+  Args:
+    workdir: the run's directory, local or `gs://...`.
+  """
+
+  def __init__(self, workdir: str | os.PathLike):
     self._enabled = jax.process_index() == 0
     self._jsonl = None
     self._tensorboard = None
-    if self._enabled:
-      os.makedirs(workdir, exist_ok=True)
-      self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
-      try:
-        import tensorboardX  # pylint: disable=import-outside-toplevel
-        self._tensorboard = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
-      except ImportError:  # pragma: no cover
-        logging.warning("tensorboardX is not installed: no TensorBoard event files")
+    if not self._enabled:
+      return
+    workdir = paths.as_path(workdir)
+    self._remote = paths.is_remote(workdir)
+    self._jsonl_path = workdir / "metrics.jsonl"
+    self._last_flush = time.monotonic()
+    workdir.mkdir(parents=True, exist_ok=True)
+    if self._remote:  # Rewritten whole: start from what a previous start wrote.
+      self._lines = self._jsonl_path.read_text() if self._jsonl_path.exists() else ""
+      self._unflushed = False
+    else:
+      self._jsonl = self._jsonl_path.open("a", encoding="utf-8")
+    try:
+      import tensorboardX  # pylint: disable=import-outside-toplevel
+      from tensorboardX import record_writer  # pylint: disable=import-outside-toplevel
+      if self._remote:
+        scheme = os.fspath(workdir).split("://", 1)[0]
+        record_writer.register_writer_factory(scheme, _ObjectEventFiles())
+      self._tensorboard = tensorboardX.SummaryWriter(
+          os.fspath(workdir / "tensorboard"),
+          flush_secs=int(REMOTE_FLUSH_SECONDS) if self._remote else 120)
+    except ImportError:  # pragma: no cover
+      logging.warning("tensorboardX is not installed: no TensorBoard event files")
 
   def write(self, step: int, kind: str, metrics: dict[str, float]) -> None:
     if not self._enabled:
       return
     record = {"step": int(step), "kind": kind}
     record.update({name: float(value) for name, value in metrics.items()})
-    self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
+    line = json.dumps(record) + "\n"
+    if self._remote:
+      self._lines += line
+      self._unflushed = True
+    else:
+      self._jsonl.write(line)
     if self._tensorboard is not None:
       for name, value in metrics.items():
         self._tensorboard.add_scalar(f"{kind}/{name}", float(value), int(step))
+    if not self._remote or time.monotonic() - self._last_flush >= REMOTE_FLUSH_SECONDS:
+      self.flush()
+
+  def flush(self) -> None:
+    """Writes out what is buffered (a local file: flushed; a remote one: uploaded)."""
+    if not self._enabled:
+      return
+    if self._remote:
+      if self._unflushed:
+        self._jsonl_path.write_text(self._lines)
+        self._unflushed = False
+    else:
+      self._jsonl.flush()
+    if self._tensorboard is not None:
       self._tensorboard.flush()
+    self._last_flush = time.monotonic()
 
   def close(self) -> None:
+    if not self._enabled:
+      return
+    self.flush()
     if self._jsonl is not None:
       self._jsonl.close()
     if self._tensorboard is not None:
       self._tensorboard.close()
+    self._enabled = False
 
 
 class Progress:

@@ -12,7 +12,11 @@ before the save at its step and its metrics go with that checkpoint; at the
 last step one such evaluation runs too (or the full one is reused when
 `eval.max_batches` is None), so every ranked checkpoint was measured the same
 way. The checkpoint manager keeps the latest `max_checkpoints` and the best
-by `checkpoint.best_metric` (`trainer/checkpoint.py`).
+by `checkpoint.best_metric` (`trainer/checkpoint.py`). Saving is
+asynchronous; a resume restores straight into the abstract state (shapes and
+shardings, `train.plan_sharded_state`), and only a run without a checkpoint
+initialises one. How the step loop avoids host syncs yet never saves the
+state of a non-finite step: `train_and_evaluate`.
 
 Final evaluation: validation and test over ALL users (`eval.max_batches`
 applies only to the periodic ones) for the last step and for the best
@@ -24,14 +28,13 @@ from __future__ import annotations
 
 import math
 import os
-import pathlib
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from trainer import checkpoint, config_checks, config_schema, data as data_lib, evaluate, logs
-from trainer import run_config
+from trainer import paths, run_config
 from trainer import train as train_lib
 from trainer.data import prepare as prepare_lib
 
@@ -40,17 +43,37 @@ class NonFiniteLossError(RuntimeError):
   """The loss or gradient norm became NaN or infinite."""
 
 
-def prepare_data(config, workdir: str) -> data_lib.PreparedDataset:
-  """Prepares `config.data` into its folder (process 0) unless already there.
+def prepare_data(config, workdir: str | os.PathLike) -> data_lib.PreparedDataset:
+  """Prepares `config.data` into its folder unless already there; opens it on every process.
+
+  Two ways to get the data to every host:
+
+  - one folder (the default): process 0 prepares it (arrays first, the
+    manifest last, so a folder with a manifest is complete) while the others
+    wait at a barrier, then every process reads it. The folder
+    (`data.prepared_dir`, default WORKDIR/data) must be one that every host
+    reads: `gs://...`, a shared disk, or the disk of a single machine.
+  - `data.prepare_per_host`: every process prepares its own copy into
+    `data.prepared_dir` on its local disk (`{process}` there is replaced by
+    the process index; processes of one machine naming the same folder take
+    turns under `prepare.host_lock` and prepare it once), then a barrier.
+    Preparation is deterministic, so every copy is the same data.
 
   A folder holding the dataset prepared with the same options (source and
   its options, count filters, split and its options) is reused. The run's own
   `WORKDIR/data` holding another preparation is prepared again; an explicit
   `data.prepared_dir` holding one is an error listing the differences
   (`prepare.needs_preparation`).
+
+  Raises:
+    config_checks.ConfigError: an explicit folder holds other data.
+    FileNotFoundError: a process finds no data in the folder process 0
+      prepared (it is not on storage that every host reads).
   """
-  folder = pathlib.Path(config_schema.prepared_folder(config.data.prepared_dir, workdir))
-  if jax.process_index() == 0:
+  process = jax.process_index()
+  folder = config_schema.prepared_folder(config.data.prepared_dir, workdir, process)
+
+  def prepare_unless_there():
     options = dict(source_options=config.data.source_options.to_dict(),
                    min_item_count=config.data.min_item_count, split=config.data.split,
                    split_options=config.data.split_options.to_dict())
@@ -67,10 +90,24 @@ def prepare_data(config, workdir: str) -> data_lib.PreparedDataset:
                                          seq_lens=(config.seq_len,))
       logs.say(f"prepared {summary['num_users']} users, {summary['num_items']} items, "
                f"{summary['num_interactions']} interactions")
+
+  if config.data.prepare_per_host:
+    with prepare_lib.host_lock(folder):
+      prepare_unless_there()
+  elif process == 0:
+    prepare_unless_there()
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     multihost_utils.sync_global_devices("trainer data prepared")
-  return data_lib.load_prepared(folder)
+  try:
+    return data_lib.load_prepared(folder)
+  except FileNotFoundError as error:
+    if process == 0 or config.data.prepare_per_host:
+      raise
+    raise FileNotFoundError(
+        f"process {process}: no prepared data in {folder}, where process 0 prepared it: the "
+        "folder must be on storage every host reads (gs://..., a shared disk), or set "
+        "config.data.prepare_per_host=True with a local config.data.prepared_dir") from error
 
 
 def _eval_batches(data, config, split: str):
@@ -100,10 +137,12 @@ class Trainer:
   def __init__(self, config, workdir: str, *, allow_config_change: bool = False):
     config_checks.check_config(config, workdir=workdir)
     self.config = config
-    self.workdir = workdir
-    self.manager = checkpoint.make_manager(os.path.join(workdir, "checkpoints"),
+    self.workdir = paths.as_path(workdir)
+    self.manager = checkpoint.make_manager(self.workdir / "checkpoints",
                                            config.max_checkpoints,
-                                           best_metric=config.checkpoint.best_metric)
+                                           best_metric=config.checkpoint.best_metric,
+                                           save_interval_steps=config.checkpoint_every,
+                                           cleanup_tmp=True)
     try:
       record_config(config, workdir, self.manager, allow_config_change)
     except config_checks.ConfigError:
@@ -114,9 +153,11 @@ class Trainer:
     self.data = prepare_data(config, workdir)
     num_items = self.data.num_items
     vocab_shards = config_checks.vocab_shard_count(config)
-    (self.graphdef, tx, schedule, self.state,
-     self.shardings) = train_lib.create_sharded_state(
-         config, num_items=num_items, mesh=self.mesh, vocab_shards=vocab_shards)
+    # Shapes and shardings only: the state is built below, restored or initialised.
+    plan = train_lib.plan_sharded_state(config, num_items=num_items, mesh=self.mesh,
+                                        vocab_shards=vocab_shards)
+    self.graphdef, tx, schedule, self.shardings = (plan.graphdef, plan.tx, plan.schedule,
+                                                   plan.shardings)
     self.settings = train_lib.StepSettings(
         mesh=self.mesh, token_axes=tuple(config.mesh.token_axes),
         vocab_axis=config.mesh.vocab_axis, num_items=num_items, seed=config.seed,
@@ -135,9 +176,10 @@ class Trainer:
         num_threads=config.data.num_threads,
         prefetch_buffer_size=config.data.prefetch_buffer_size)
     latest = checkpoint.latest_step(self.manager)
-    if latest is not None:
-      abstract = train_lib.abstract_state(self.state, self.shardings)
-      self.state = checkpoint.restore(self.manager, latest, abstract, self.iterator)
+    if latest is None:
+      self.state = plan.init()
+    else:  # Straight into the target shardings; no fresh state is ever built.
+      self.state = checkpoint.restore(self.manager, latest, plan.abstract, self.iterator)
       logs.say(f"resumed from the checkpoint of step {latest}")
     self.writer = logs.MetricWriter(workdir)
 
@@ -147,8 +189,14 @@ class Trainer:
   def step_number(self) -> int:
     return int(jax.device_get(self.state["step"]))
 
-  def save(self, step: int, metrics: dict[str, float] | None = None) -> None:
-    checkpoint.save(self.manager, step, self.state, self.iterator, metrics)
+  def save(self, step: int, metrics: dict[str, float] | None = None, *,
+           wait: bool = False) -> None:
+    """Checkpoints the current state at `step`, asynchronously unless `wait`.
+
+    The state must be known finite (see `train_and_evaluate`): the caller
+    checks the step's flag first.
+    """
+    checkpoint.save(self.manager, step, self.state, self.iterator, metrics, wait=wait)
 
   def run_eval(self, step: int, split: str, *, periodic: bool = True,
                best_step: int | None = None) -> dict[str, float]:
@@ -177,7 +225,7 @@ class Trainer:
   def best_params(self, step: int):
     """The params of the checkpoint of `step`, on the train state's shardings."""
     abstract = train_lib.abstract_state(self.state["params"], self.shardings["params"])
-    return checkpoint.restore_params(os.path.join(self.workdir, "checkpoints"), step, abstract)
+    return checkpoint.restore_params(self.workdir / "checkpoints", step, abstract)
 
   def final_evaluation(self, step: int) -> dict:
     """Saves the last checkpoint (ranked) and evaluates it and the best over every user.
@@ -197,6 +245,9 @@ class Trainer:
     for split in ("validation", "test"):
       if split not in last:
         last[split] = self.run_eval(step, split, periodic=False)
+    # Every save committed before the best is looked up (its metrics are read
+    # from the committed checkpoint) or read back.
+    self.manager.wait_until_finished()
     best_step = checkpoint.best_step(self.manager)
     if best_step is None or best_step == step:
       return {"last": last, "best": None if best_step is None else last, "best_step": best_step}
@@ -227,8 +278,91 @@ def _train_metrics(metrics, sums):
   return out
 
 
+COUNTS = ("tp", "fp", "fn")  # Summed on device between log steps.
+
+
+def _zero_counts() -> dict:
+  return dict.fromkeys(COUNTS, np.float32(0.0))
+
+
+@jax.jit
+def _add_counts(sums: dict, metrics: dict) -> dict:
+  """`sums + metrics` for the confusion counts, on device (one dispatch, no host read)."""
+  return {name: sums[name] + metrics[name] for name in COUNTS}
+
+
+class NewestStep:
+  """The metrics of the newest step, left on device until they are needed.
+
+  `check()` reads only the step's `finite` flag (one scalar) and raises
+  `NonFiniteLossError` for a non-finite step; the loop calls it one step
+  late (after the next step is dispatched), and at once before anything
+  that keeps the state (a checkpoint, an evaluation, the end of training).
+  """
+
+  def __init__(self, manager, workdir):
+    self._manager, self._workdir = manager, workdir
+    self.step, self._metrics, self._checked = None, None, True
+
+  def push(self, step: int, metrics: dict) -> None:
+    """The metrics (device arrays) of `step`, just dispatched; the previous ones are checked."""
+    assert self._checked, f"step {self.step} was never checked"
+    self.step, self._metrics, self._checked = step, metrics, False
+
+  def check(self) -> None:
+    """Waits for the newest step; raises NonFiniteLossError if it was not finite."""
+    if self._checked:
+      return
+    if not bool(jax.device_get(self._metrics["finite"])):
+      values = jax.device_get({name: self._metrics[name] for name in ("loss", "grad_norm")})
+      raise NonFiniteLossError(non_finite_message(
+          float(values["loss"]), float(values["grad_norm"]), self.step,
+          checkpoint.latest_step(self._manager), self._workdir))
+    self._checked = True
+
+  def read(self) -> dict:
+    """The newest step's metrics on the host (checked first)."""
+    self.check()
+    return jax.device_get(self._metrics)
+
+  def loss(self) -> float:
+    """The newest step's loss (checked first); NaN when no step ran."""
+    if self._metrics is None:
+      return math.nan
+    self.check()
+    return float(jax.device_get(self._metrics["loss"]))
+
+
 def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = False) -> dict:
   """Trains `config` in `workdir` (resuming when it holds a checkpoint).
+
+  The step loop never waits for the device without need. Each iteration
+  dispatches step s+1, then reads the `finite` flag of step s (done, or
+  about to be: the device already has step s+1 queued) — the one host read
+  per step, one step late. Everything else stays on device: the confusion
+  counts are summed there (`_add_counts`) and, with the newest step's
+  metrics, read only at log steps. Checkpoints are asynchronous: `save`
+  returns after orbax's device-to-host copy and the write runs in the
+  background while training goes on.
+
+  Non-finite steps. A NaN or infinite loss or gradient norm at step s stops
+  the run (NonFiniteLossError naming step s, its values and the last good
+  checkpoint) when step s is checked, at the latest while step s+1 runs.
+  The state of a step is never kept before its flag is checked: before a
+  checkpoint (periodic, evaluation, preemption or last), an evaluation and
+  the end of training, the newest step is checked at once (`NewestStep.check`,
+  which also waits for it). As every earlier step was checked in an
+  earlier iteration, a saved state descends only from finite steps; the
+  state after a bad step (and the step computed from it) is dropped.
+
+  Preemption: `checkpoint.PreemptionNotice` at the top of every step (JAX's
+  preemption sync point under `jax.distributed`, a local SIGTERM flag in a
+  single process); the state is checked, saved, the save waited for, and
+  the run returns. Saves due every `checkpoint_every` steps come from
+  `manager.should_save(step)` (orbax's FixedIntervalPolicy and
+  PreemptionCheckpointingPolicy). The run waits for every pending save before
+  a final evaluation reads the best checkpoint back and before it returns or
+  raises (`manager.close()`).
 
   Args:
     config: the run's ConfigDict.
@@ -249,48 +383,48 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     config_checks.ConfigError: a resume that would change the run.
   """
   trainer = Trainer(config, workdir, allow_config_change=allow_config_change)
-  preemption = checkpoint.PreemptionFlag()
+  preemption = checkpoint.PreemptionNotice(combine_every=config.log_every)
   step = trainer.step_number()
   progress = logs.Progress(step, config.train_steps, config.batch_size)
   profile_start = config.profile.start_step
   profile_stop = profile_start + config.profile.num_steps if config.profile.num_steps else -1
   tracing = False
-  loss = math.nan
-  sums = {"tp": 0.0, "fp": 0.0, "fn": 0.0}
+  newest = NewestStep(trainer.manager, workdir)
+  sums = _zero_counts()
   try:
     while step < config.train_steps:
-      if preemption.is_set():
-        trainer.save(step)
-        logs.say(f"SIGTERM: saved the checkpoint of step {step} and stopped")
-        return {"step": step, "preempted": True, "final_loss": loss}
+      if preemption.reached(step):
+        newest.check()
+        trainer.save(step, wait=True)
+        logs.say(f"SIGTERM: saved the checkpoint of step {step} and stopped "
+                 f"(preemption notice: {preemption.mode})")
+        return {"step": step, "preempted": True, "final_loss": newest.loss()}
       if step == profile_start and profile_stop > 0:
-        jax.profiler.start_trace(os.path.join(workdir, "profile"))
+        jax.profiler.start_trace(trainer.workdir / "profile")  # a gs:// path too
         tracing = True
       batch = trainer.to_global(next(trainer.iterator))
       trainer.state, metrics = trainer.train_step(trainer.state, batch)
-      metrics = jax.device_get(metrics)
-      if not bool(metrics["finite"]):
-        raise NonFiniteLossError(non_finite_message(
-            float(metrics["loss"]), float(metrics["grad_norm"]), step + 1,
-            checkpoint.latest_step(trainer.manager), workdir))
+      newest.check()  # Step `step`, one step late: step + 1 is queued behind it.
       step += 1
-      loss = float(metrics["loss"])
-      for name in sums:
-        sums[name] += float(metrics[name])
+      newest.push(step, metrics)
+      sums = _add_counts(sums, {name: metrics[name] for name in COUNTS})
       if tracing and step == profile_stop:
         jax.profiler.stop_trace()
         tracing = False
       if step % config.log_every == 0 or step == config.train_steps:
-        text, rates = progress.line(step, loss)
+        values = newest.read()  # The host reads metrics here only.
+        text, rates = progress.line(step, float(values["loss"]))
         logs.say(text)
-        trainer.writer.write(step, "train", {**_train_metrics(metrics, sums), **rates})
-        sums = dict.fromkeys(sums, 0.0)
+        trainer.writer.write(step, "train",
+                             {**_train_metrics(values, jax.device_get(sums)), **rates})
+        sums = _zero_counts()
       if step == config.train_steps:
+        newest.check()
         break  # final_evaluation ranks and saves the last checkpoint.
-      metrics = None
-      if step % config.eval_every == 0:
-        metrics = trainer.run_eval(step, config.eval.split)
-      if metrics is not None or step % config.checkpoint_every == 0:
+      evaluate_now = step % config.eval_every == 0
+      if evaluate_now or trainer.manager.should_save(step):
+        newest.check()  # Never evaluate or checkpoint the state of a non-finite step.
+        metrics = trainer.run_eval(step, config.eval.split) if evaluate_now else None
         trainer.save(step, metrics)
     final = trainer.final_evaluation(step)
     rows = {f"best {split}": metrics for split, metrics in (final["best"] or {}).items()}
@@ -302,24 +436,25 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     logs.say("evaluation (full catalog" + (", history excluded" if config.eval.filter_seen
                                             else "") + f", every user; {best}, last = step "
              f"{step}):\n{table}")
-    return {"step": step, "preempted": False, "final_loss": loss, "eval": final["last"],
+    return {"step": step, "preempted": False, "final_loss": newest.loss(), "eval": final["last"],
             "best": None if final["best_step"] is None else {
                 "step": final["best_step"], "eval": final["best"]},
             "table": table}
   finally:
     if tracing:
       jax.profiler.stop_trace()
-    preemption.restore_handler()
+    preemption.close()
     trainer.writer.close()
     trainer.manager.close()
 
 
-def final_params(workdir: str):
+def final_params(workdir: str | os.PathLike):
   """The params of the latest checkpoint in `workdir`, as numpy (any topology)."""
-  manager = checkpoint.make_manager(os.path.join(workdir, "checkpoints"), None)
+  checkpoints = paths.as_path(workdir) / "checkpoints"
+  manager = checkpoint.make_manager(checkpoints, None)
   step = manager.latest_step()
   manager.close()
-  path = os.path.join(os.path.abspath(workdir), "checkpoints", str(step), "state")
+  path = checkpoints / str(step) / "state"
   with ocp.StandardCheckpointer() as checkpointer:
     metadata = checkpointer.metadata(path).item_metadata
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

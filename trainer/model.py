@@ -23,6 +23,8 @@ of the mesh and replicates everything else.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -77,6 +79,18 @@ class Block(nnx.Module):
     return x + self.dropout(y, deterministic=deterministic, rngs=rngs)
 
 
+class ItemBias(nnx.Module):
+  """A learned logit offset b_v per item, `[V_padded]` float32.
+
+  Initialised to `init` for every item: -log V makes every sigmoid about
+  1 / V at the start, close to the fraction of positives, so the first steps
+  do not spend themselves pushing every logit down.
+  """
+
+  def __init__(self, rows: int, init: float):
+    self.bias = nnx.Param(jnp.full((rows,), init, jnp.float32))
+
+
 class SASRec(nnx.Module):
   """Self-attentive sequential recommender returning hidden states.
 
@@ -88,13 +102,16 @@ class SASRec(nnx.Module):
     dropout_rate: dropout on embeddings, attention weights and residual branches.
     vocab_shards: size of the mesh axis splitting the table; the table has
       `padded_vocab_size(num_items, vocab_shards)` rows.
+    item_bias: also learn a logit bias per item (`ItemBias`, initialised at
+      -log V), passed to the loss, the ranking and top-k as `bias`.
     dtype: compute dtype (jnp.float32 or jnp.bfloat16); parameters stay float32.
     rngs: parameter initialisation keys (`nnx.Rngs(params=...)`).
   """
 
   def __init__(self, *, num_items: int, seq_len: int, dim: int, num_layers: int,
                num_heads: int, mlp_dim: int, dropout_rate: float = 0.0,
-               vocab_shards: int = 1, dtype=jnp.float32, rngs: nnx.Rngs):
+               vocab_shards: int = 1, dtype=jnp.float32, item_bias: bool = False,
+               rngs: nnx.Rngs):
     if num_items < 1 or seq_len < 1 or dim < 1 or num_layers < 0:
       raise ValueError(
           f"SASRec needs num_items, seq_len, dim >= 1 and num_layers >= 0, got "
@@ -116,11 +133,20 @@ class SASRec(nnx.Module):
         for _ in range(num_layers)
     ])
     self.final_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+    if item_bias:
+      self.item_bias = ItemBias(padded_vocab_size(num_items, vocab_shards),
+                                -math.log(num_items))
 
   @property
   def item_table(self) -> jax.Array:
     """The `[V_padded, D]` output table (the input embedding), in compute dtype."""
     return getattr(self, ITEM_EMBEDDING).embedding[...].astype(self.dtype)
+
+  @property
+  def output_bias(self) -> jax.Array | None:
+    """The `[V_padded]` float32 item bias of the logits, or None without one."""
+    bias = getattr(self, "item_bias", None)
+    return None if bias is None else bias.bias[...]
 
   def __call__(self, inputs, *, deterministic: bool = True, rngs: nnx.Rngs | None = None):
     """Hidden states of a batch of item sequences.
@@ -154,16 +180,20 @@ class SASRec(nnx.Module):
 def param_partition_specs(params: nnx.State, vocab_axis: str | None) -> nnx.State:
   """PartitionSpecs for a state shaped like the model's parameters.
 
-  The item table `[V, D]` (and any array in the tree under the same path, such
-  as optimizer moments) is split by rows over `vocab_axis`; everything else is
-  replicated.
+  The item table `[V, D]` and the item bias `[V]` (and any array in the tree
+  under the same paths, such as optimizer moments) are split by rows over
+  `vocab_axis`; everything else is replicated.
   """
 
   def spec(path, leaf):
-    if vocab_axis is not None and any(
-        getattr(k, "key", getattr(k, "name", None)) == ITEM_EMBEDDING for k in path
-    ) and getattr(leaf, "ndim", 0) == 2:
+    if vocab_axis is None:
+      return P()
+    names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+    ndim = getattr(leaf, "ndim", 0)
+    if ITEM_EMBEDDING in names and ndim == 2:
       return P(vocab_axis, None)
+    if "item_bias" in names and ndim == 1:
+      return P(vocab_axis)
     return P()
 
   return jax.tree_util.tree_map_with_path(spec, params)

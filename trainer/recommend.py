@@ -130,7 +130,7 @@ def top_k_step(params, batch, *, graphdef, settings: train_lib.StepSettings, k: 
   hidden = model(batch["inputs"], deterministic=True)[:, -1, :]  # [B, D]
   return cutbce_sharding.sharded_top_k(
       hidden, model.item_table, k, mesh=settings.mesh, token_axes=settings.token_axes,
-      vocab_axis=settings.vocab_axis, exclude=batch.get("exclude"),
+      vocab_axis=settings.vocab_axis, bias=model.output_bias, exclude=batch.get("exclude"),
       num_items=settings.num_items, backend=settings.backend)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import ml_collections
 from etils import epath
 
-from trainer import config_schema, schema
+from trainer import config_schema, paths, schema
 
 CONFIG_FILE = "config.json"
 FORMAT = "cutbce-run-config"
@@ -38,19 +38,23 @@ VERSION = 1
 PROCESS_COUNT = "process_count"  # the pseudo key of the process count in a diff
 
 # Keys that may change between a run and its resume without changing what it
-# trains: logging, evaluation, checkpoint cadence, profiling, read threads and
-# the loss backend (the same numbers within float rounding).
+# trains: logging, evaluation, checkpoint cadence, profiling, read threads,
+# where the prepared data lives and who prepares it (the data options are
+# checked against the folder's manifest and preparation is deterministic, so
+# any folder holds the same data) and the loss backend (the same numbers
+# within float rounding).
 HARMLESS_KEYS = frozenset({
     "log_every", "eval_every", "eval_batch_size", "checkpoint_every", "max_checkpoints",
-    "data.num_threads", "data.prefetch_buffer_size", "loss.backend"})
+    "data.num_threads", "data.prefetch_buffer_size", "data.prepared_dir",
+    "data.prepare_per_host", "loss.backend"})
 HARMLESS_SECTIONS = ("eval.", "checkpoint.", "profile.")
 _ABSENT = "(absent)"
 _SECTIONS = schema.sections_of(config_schema.KEYS)
 
 
 def path(workdir: str | os.PathLike) -> epath.Path:
-  """`WORKDIR/config.json`."""
-  return epath.Path(workdir) / CONFIG_FILE
+  """`WORKDIR/config.json` (local, or `gs://...`: written and read through `etils.epath`)."""
+  return paths.as_path(workdir) / CONFIG_FILE
 
 
 def flat_values(config) -> dict[str, Any]:

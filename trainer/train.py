@@ -45,7 +45,7 @@ def make_model(model_config, *, num_items: int, seq_len: int, vocab_shards: int,
       num_layers=model_config.num_layers, num_heads=model_config.num_heads,
       mlp_dim=model_config.mlp_dim, dropout_rate=model_config.dropout_rate,
       vocab_shards=vocab_shards, dtype=jnp.dtype(model_config.dtype),
-      rngs=nnx.Rngs(params=seed),
+      item_bias=bool(model_config.get("item_bias", False)), rngs=nnx.Rngs(params=seed),
   )
 
 
@@ -138,7 +138,7 @@ def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings
   loss, stats = cutbce_sharding.sharded_cut_bce(
       hidden, table, batch["targets"], batch["weights"], mesh=settings.mesh,
       token_axes=settings.token_axes, vocab_axis=settings.vocab_axis,
-      num_items=settings.num_items,
+      bias=model.output_bias, num_items=settings.num_items,
       vocab_reduction=settings.vocab_reduction, return_stats=True, backend=settings.backend,
       **{name: getattr(settings, name) for name in LOSS_VARIANTS},
   )
@@ -179,27 +179,47 @@ def jit_train_step(graphdef, tx, schedule, settings: StepSettings, shardings) ->
   )
 
 
-def create_sharded_state(config, *, num_items: int, mesh: Mesh, vocab_shards: int):
-  """`(graphdef, tx, schedule, state, shardings)`, the state placed on the mesh.
+class StatePlan(NamedTuple):
+  """The train state before it exists: what to build it from, or restore it into."""
+  graphdef: Any
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  abstract: Any  # ShapeDtypeStructs of the state, each with its target sharding
+  shardings: Any  # NamedShardings of the state
+  init: Callable[[], TrainState]  # builds a fresh state on the mesh (jitted)
 
-  Parameters are initialised under `jax.jit` with the target shardings as
-  outputs, so each device only materialises its own rows of the table.
+
+def plan_sharded_state(config, *, num_items: int, mesh: Mesh, vocab_shards: int) -> StatePlan:
+  """Shapes, dtypes and shardings of the train state, with nothing allocated.
+
+  `plan.abstract` is the restore target of a checkpoint (orbax reads each
+  array straight onto its sharding); `plan.init()` initialises the state under
+  `jax.jit` with the target shardings as outputs, so each device only
+  materialises its own rows of the table. Resuming never calls `init`, so the
+  host and devices never hold a fresh state and a restored one at once.
   """
   tx = make_optimizer(config.optimizer, config.train_steps)
   schedule = learning_rate_schedule(config.optimizer, config.train_steps)
 
-  def init():
-    model = make_model(config.model, num_items=num_items, seq_len=config.seq_len,
-                       vocab_shards=vocab_shards, seed=config.seed)
-    return init_state(model, tx)[1]
+  def new_model():
+    return make_model(config.model, num_items=num_items, seq_len=config.seq_len,
+                      vocab_shards=vocab_shards, seed=config.seed)
 
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: make_model(
-      config.model, num_items=num_items, seq_len=config.seq_len,
-      vocab_shards=vocab_shards, seed=config.seed)))
-  abstract = jax.eval_shape(init)
-  shardings = state_shardings(abstract, mesh, config.mesh.vocab_axis)
-  state = jax.jit(init, out_shardings=shardings)()
-  return graphdef, tx, schedule, state, shardings
+  def init():
+    return init_state(new_model(), tx)[1]
+
+  graphdef = nnx.graphdef(nnx.eval_shape(new_model))
+  shapes = jax.eval_shape(init)
+  shardings = state_shardings(shapes, mesh, config.mesh.vocab_axis)
+  return StatePlan(graphdef=graphdef, tx=tx, schedule=schedule,
+                   abstract=abstract_state(shapes, shardings), shardings=shardings,
+                   init=jax.jit(init, out_shardings=shardings))
+
+
+def create_sharded_state(config, *, num_items: int, mesh: Mesh, vocab_shards: int):
+  """`(graphdef, tx, schedule, state, shardings)`, a fresh state placed on the mesh."""
+  plan = plan_sharded_state(config, num_items=num_items, mesh=mesh, vocab_shards=vocab_shards)
+  return plan.graphdef, plan.tx, plan.schedule, plan.init(), plan.shardings
 
 
 def abstract_state(state: Any, shardings: Any):

@@ -8,6 +8,10 @@
                                params are read: no optimizer state, no iterator)
   the prepared data            `config.data.prepared_dir` or WORKDIR/data
 
+The workdir may be local or `gs://...` (every path is an `etils.epath`
+path). The commands run as one process, so a `data.prepared_dir` holding
+`{process}` is read as process 0's copy.
+
 The mesh is the run's when its size equals the devices present; otherwise
 (say a run of 8 simulated devices evaluated on one CPU) every device goes on
 one "data" axis and the item table is replicated. Either way the table keeps
@@ -23,10 +27,12 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+from etils import epath
 from flax import nnx
 from jax.sharding import AxisType, Mesh
 
-from trainer import checkpoint, config_checks, config_schema, data as data_lib, run_config
+from trainer import checkpoint, config_checks, config_schema, data as data_lib, paths
+from trainer import run_config
 from trainer import train as train_lib
 from trainer.schema import ConfigError
 
@@ -59,8 +65,9 @@ class TrainedRun(NamedTuple):
   which: str
 
 
-def checkpoints_dir(workdir: str) -> str:
-  return os.path.join(workdir, "checkpoints")
+def checkpoints_dir(workdir: str | os.PathLike) -> epath.Path:
+  """`WORKDIR/checkpoints` (a local workdir made absolute, `gs://...` as given)."""
+  return paths.as_path(workdir) / "checkpoints"
 
 
 def choose_step(workdir: str, best_metric: str | None, which: str = "best",

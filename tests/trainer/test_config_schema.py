@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from configs import base, smoke
@@ -223,6 +224,7 @@ def _set_all(**values):
 RULE_BREAKERS = {
     "mesh_lengths": _set_all(mesh__shape=(4, 2)),
     "mesh_covers_devices": _set_all(mesh__shape=(4,)),
+    "dcn_shape_fits": _set_all(mesh__dcn_shape=(2,)),
     "token_axes_in_mesh": _set_all(mesh__token_axes=("batch",)),
     "vocab_axis_in_mesh": _set_all(mesh__vocab_axis="model"),
     "batch_divides_token_shards": _set_all(batch_size=12),
@@ -237,6 +239,8 @@ RULE_BREAKERS = {
         _SETUPS[("data.dataset", "files")](config, tmp_path),
         config["data"]["source_options"].update(filter="played=5"), EIGHT)[-1],
     "prepared_dir_matches": _prepared_otherwise,
+    "per_host_folder_is_local": _set_all(data__prepare_per_host=True),
+    "process_placeholder_needs_per_host": _set_all(data__prepared_dir="/data/prepared-{process}"),
     "best_metric_is_evaluated": _set_all(checkpoint__best_metric="ndcg@7"),
 }
 
@@ -464,7 +468,8 @@ def _run(args, tmp_path):
     (["--config.model.dim=7", "--config.model.num_heads=2"],
      "bad config: config.model.dim=7: a multiple of config.model.num_heads=2"),
     (["--config.model.hidden=3"], "bad config: config.model.hidden='3': unknown key; "
-     "config.model holds dim, num_layers, num_heads, mlp_dim, dropout_rate, dtype"),
+     "config.model holds dim, num_layers, num_heads, mlp_dim, dropout_rate, dtype, "
+     "item_bias"),
     (["--config.model.dropout_rate=abc"],
      "bad config: config.model.dropout_rate='abc': a finite number in [0, 1)"),
 ])
@@ -522,3 +527,29 @@ def test_a_bad_minus_one_mesh_is_one_config_error(shape, message):
   config.mesh.token_axes = ("data", "model")
   with pytest.raises(schema.ConfigError, match=message):
     config_checks.check_config(config, 8)
+
+
+class _FakeDevice:
+  """What jax's hybrid mesh reads of a CPU device: id, platform, process."""
+
+  def __init__(self, index, process):
+    self.id, self.process_index, self.platform = index, process, "cpu"
+    self.device_kind = "cpu"
+
+  def __repr__(self):
+    return f"d{self.id}@p{self.process_index}"
+
+
+def test_dcn_shape_puts_each_process_in_one_block():
+  from trainer import config_checks  # pylint: disable=import-outside-toplevel
+  config = smoke.get_config()
+  config.mesh.axis_names, config.mesh.shape = ("data", "model"), (4, 2)
+  config.mesh.dcn_shape = (2, 1)
+  devices = [_FakeDevice(i, i // 4) for i in range(8)]
+  grid = config_checks.mesh_devices(config, devices)
+  processes = np.vectorize(lambda d: d.process_index)(grid)
+  # The data axis spans the two processes: rows 0-1 on one, rows 2-3 on the other.
+  assert processes.tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]
+  assert config_checks.slice_count(devices) == 2
+  config.mesh.dcn_shape = None
+  assert config_checks.mesh_devices(config, devices[:8]).shape == (4, 2)

@@ -1,8 +1,11 @@
 """On-disk format, atomic preparation and the command line."""
 
+import hashlib
 import json
+import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -133,3 +136,60 @@ def test_cli_runs_as_module(tmp_path):
   lines = result.stdout.strip().splitlines()
   assert len(lines) == 1
   assert json.loads(lines[0])["num_users"] == 5
+
+
+def _file_hashes(folder) -> dict[str, str]:
+  return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+          for path in sorted(folder.iterdir())}
+
+
+def test_preparation_is_deterministic(tmp_path):
+  """Two preparations, each its own process with another hash seed (set and dict order of
+  strings change with it), write byte-identical folders: what lets every host prepare its
+  own copy (`data.prepare_per_host`). A synthetic set, and a CSV with string ids."""
+  rng = np.random.default_rng(0)
+  rows = ["user,item,time"] + [
+      f"u{rng.integers(30)},song-{rng.integers(80)},2024-01-{1 + i % 28:02d}T00:00:{i % 60:02d}"
+      for i in range(600)]
+  (tmp_path / "events.csv").write_text("\n".join(rows) + "\n")
+  sources = {
+      "synthetic": ["--dataset", "synthetic", "--num-users", "50", "--num-items", "200",
+                    "--interactions-per-user", "15", "--seed", "4"],
+      "files": ["--dataset", "files", "--path", str(tmp_path / "events.csv"), "--user-col",
+                "user", "--item-col", "item", "--time-col", "time", "--split", "gts",
+                "--test-window", "200000", "--validation-window", "200000"],
+  }
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  for name, flags in sources.items():
+    folders = [tmp_path / f"{name}-{seed}" for seed in ("1", "2")]
+    for seed, folder in zip(("1", "2"), folders):
+      result = subprocess.run(
+          [sys.executable, "-m", "trainer.data", *flags, "--out", str(folder)], cwd=root,
+          env=dict(os.environ, PYTHONHASHSEED=seed), capture_output=True, text=True,
+          check=False)
+      assert result.returncode == 0, result.stderr
+    first, second = (_file_hashes(folder) for folder in folders)
+    assert set(first) == {storage.MANIFEST} | {f"{a}.npy" for a in storage.ARRAYS}, name
+    assert first == second, name
+
+
+def test_host_lock_lets_one_process_of_a_machine_prepare_at_a_time(tmp_path):
+  """Two holders of `prepare.host_lock` on one folder (separate opens: as two processes):
+  the second waits until the first is done."""
+  order = []
+
+  def second():
+    with prepare.host_lock(tmp_path / "prepared"):
+      order.append("second")
+
+  with prepare.host_lock(tmp_path / "prepared"):
+    thread = threading.Thread(target=second)
+    thread.start()
+    thread.join(timeout=0.5)
+    assert thread.is_alive()  # waiting for the lock
+    order.append("first")
+  thread.join(timeout=30)
+  assert order == ["first", "second"]
+  with pytest.raises(ValueError, match="a local folder"):
+    with prepare.host_lock("gs://bucket/prepared"):
+      pass

@@ -10,8 +10,10 @@ and `uv` makes a virtual environment whose `python` is a fake trainer that
 logs its arguments and, on SIGTERM, "saves a checkpoint" and exits 0.
 """
 
+import hashlib
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -404,9 +406,9 @@ while true; do sleep 0.1; done
   assert "process 1 fails" in (tmp_path / "run" / "logs" / "process_1.log").read_text()
 
 
-@pytest.mark.slow
-def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, smoke_data_dir):
-  """2 x 4 devices over loopback trains the same parameters as 1 x 8.
+def _two_processes_match_one(tmp_path, smoke_data_dir, data_flags):
+  """Trains 10 smoke steps as 2 processes x 4 devices (`launch/local.sh`, with `data_flags`)
+  and as 1 x 8 (reading `smoke_data_dir`); asserts the same parameters and losses.
 
   The two processes' rows make the same global batch in another row order
   (process 0's rows first), so dropout is off: with it, masks follow rows.
@@ -414,8 +416,7 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, smoke_data_d
   from trainer import loop  # pylint: disable=import-outside-toplevel
   from configs import smoke  # pylint: disable=import-outside-toplevel
   flags = ["--config=configs/smoke.py", "--config.train_steps=10",
-           "--config.model.dropout_rate=0.0",
-           "--config.eval.max_batches=1", f"--config.data.prepared_dir={smoke_data_dir}"]
+           "--config.model.dropout_rate=0.0", "--config.eval.max_batches=1", *data_flags]
   multi = tmp_path / "multi"
   env = dict(os.environ, PYTHON=sys.executable)
   env.pop("XLA_FLAGS", None)
@@ -443,3 +444,36 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, smoke_data_d
                       test_train.read_metrics(str(multi))):
     assert one["step"] == two["step"]
     np.testing.assert_allclose(one["loss"], two["loss"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, smoke_data_dir):
+  """2 x 4 devices over loopback, reading one prepared folder, trains as 1 x 8."""
+  _two_processes_match_one(tmp_path, smoke_data_dir,
+                           [f"--config.data.prepared_dir={smoke_data_dir}"])
+
+
+@pytest.mark.slow
+def test_two_processes_as_two_slices_match_one_of_eight(tmp_path, smoke_data_dir):
+  """`mesh.dcn_shape=(2,)`: jax's hybrid mesh with each process as one slice (CPU
+  devices carry no slice index) trains as 1 x 8."""
+  _two_processes_match_one(tmp_path, smoke_data_dir, [
+      f"--config.data.prepared_dir={smoke_data_dir}", "--config.mesh.dcn_shape=(2,)"])
+
+
+def _prepared_hashes(folder) -> dict[str, str]:
+  from trainer.data import storage  # pylint: disable=import-outside-toplevel
+  names = [storage.MANIFEST] + [f"{name}.npy" for name in storage.ARRAYS]
+  return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in names}
+
+
+@pytest.mark.slow
+def test_two_processes_preparing_a_copy_each_match_one_of_eight(tmp_path, smoke_data_dir):
+  """`data.prepare_per_host`: each process prepares its own copy (`{process}`: folders
+  prepared-0 and prepared-1, as two hosts' local disks would be); the copies are
+  byte-identical to the folder the 1 x 8 run reads, and training matches it."""
+  _two_processes_match_one(tmp_path, smoke_data_dir, [
+      "--config.data.prepare_per_host=True",
+      f"--config.data.prepared_dir={tmp_path / 'prepared-{process}'}"])
+  copies = [_prepared_hashes(tmp_path / f"prepared-{i}") for i in range(2)]
+  assert copies[0] == copies[1] == _prepared_hashes(pathlib.Path(smoke_data_dir))

@@ -210,3 +210,20 @@ def test_loss_variants_of_the_config_reach_the_loss(monkeypatch):
   train_lib._loss_and_stats(nnx.to_pure_dict(params), graphdef, batch, jax.random.key(0),
                             settings)
   assert {name: seen[name] for name in variants} == variants
+
+
+def test_each_process_prepares_its_copy_or_reads_process_0s(smoke_config, tmp_path,
+                                                            monkeypatch):
+  """As process 1: with `data.prepare_per_host` it prepares `{process}` -> its own folder;
+  without, it only reads, and a folder process 0 did not fill names both ways out."""
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  smoke_config.data.prepare_per_host = True
+  smoke_config.data.prepared_dir = str(tmp_path / "prepared-{process}")
+  data = loop.prepare_data(smoke_config, str(tmp_path / "run"))
+  assert str(data.path) == str(tmp_path / "prepared-1") and data.num_items == 300
+  assert not (tmp_path / "prepared-0").exists()
+  smoke_config.data.prepare_per_host = False
+  smoke_config.data.prepared_dir = str(tmp_path / "elsewhere")
+  with pytest.raises(FileNotFoundError, match=r"^process 1: no prepared data in .*elsewhere, "
+                     r"where process 0 prepared it: .*prepare_per_host=True"):
+    loop.prepare_data(smoke_config, str(tmp_path / "run"))

@@ -1,7 +1,17 @@
-"""End-to-end preparation: source -> filters and remap -> split -> disk."""
+"""End-to-end preparation: source -> filters and remap -> split -> disk.
+
+Preparation is deterministic: the same source and options give
+byte-identical files (the arrays and the manifest, which records no time,
+host or process), whatever the process or its hash seed. So a folder
+prepared once and read by every host, and a copy prepared by each host on its
+own disk (``data.prepare_per_host``, under :func:`host_lock`), hold the same
+data (``tests/trainer/test_data_storage.py`` hashes two preparations).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import inspect
 import json
 import os
@@ -10,6 +20,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from trainer import paths
 from trainer.data import preprocess, sources, splits, storage
 from trainer.data.windows import num_train_windows
 
@@ -82,13 +93,39 @@ def summarize(manifest: Mapping, seq_len: int) -> dict:
 
 
 def _read_manifest(folder: str | os.PathLike) -> dict | None:
-  path = pathlib.Path(folder) / storage.MANIFEST
+  path = paths.as_path(folder) / storage.MANIFEST
   return json.loads(path.read_text()) if path.is_file() else None
 
 
 def has_manifest(folder: str | os.PathLike) -> bool:
-  """Whether ``folder`` holds a prepared dataset (of any options)."""
-  return (pathlib.Path(folder) / storage.MANIFEST).is_file()
+  """Whether ``folder`` (local or ``gs://...``) holds a prepared dataset (of any options)."""
+  return (paths.as_path(folder) / storage.MANIFEST).is_file()
+
+
+@contextlib.contextmanager
+def host_lock(folder: str | os.PathLike):
+  """Holds an exclusive lock on the local ``folder`` among the processes of this machine.
+
+  With ``data.prepare_per_host`` every process prepares its own copy; the
+  processes of one machine (``launch/local.sh``) may name the same folder,
+  so the first one prepares it while the others wait, then finds it ready.
+  The lock is ``fcntl.flock`` on ``folder/.lock`` (the folder is created),
+  released when the block ends or the process dies.
+
+  Raises:
+    ValueError: ``folder`` is not local (``gs://...``): copies per host go on
+      each host's own disk.
+  """
+  if paths.is_remote(folder):
+    raise ValueError(f"{folder}: a local folder (a copy per host goes on its own disk)")
+  path = paths.as_path(folder)
+  path.mkdir(parents=True, exist_ok=True)
+  with open(os.fspath(path / ".lock"), "w", encoding="utf-8") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _split_record(split: str, split_options: Mapping | None) -> dict:
@@ -223,7 +260,7 @@ def prepare_dataset(dataset: str, out: str | os.PathLike, *,
 
   Args:
     dataset: a name of :data:`trainer.data.sources.SOURCE_NAMES`.
-    out: output folder.
+    out: output folder, local or ``gs://...``.
     min_item_count: see :func:`trainer.data.preprocess.prepare_sequences`;
       None picks :func:`default_min_item_count` of the dataset.
     min_user_count: see :func:`trainer.data.preprocess.prepare_sequences`.
