@@ -10,6 +10,11 @@ user. Metrics come from the trainer's own evaluation (`cutbce.target_ranks`
     python benchmarks/ml1m_quality.py train --config configs/ml1m.py --workdir runs/ml1m \
         [--set optimizer.learning_rate=2e-3 ...]
 
+    # one run per seed (each resumable), then per-seed and mean metrics with
+    # their spread, and the validation curves
+    python benchmarks/ml1m_quality.py seeds --config configs/ml1m.py --workdir runs/ml1m_seeds \
+        --seeds 0 1 2 [--set ...] --out docs/results/ml1m_metrics.json
+
     # the same JSON from a finished trainer workdir (same --config / --set as its run)
     python benchmarks/ml1m_quality.py collect --config configs/ml1m.py --workdir runs/ml1m
 
@@ -119,13 +124,23 @@ def read_metrics(workdir: str) -> list[dict]:
 
 
 def final_evals(records: list[dict]) -> tuple[int, dict]:
-  """Step and metrics of the last evaluation of each split."""
-  evals = {}
+  """Step and metrics of the final evaluation of each split.
+
+  When the run kept a best checkpoint other than the last (kinds "best/<split>",
+  by validation `checkpoint.best_metric`), its metrics are the result, as a
+  user of the run would take them (`python -m trainer.evaluate` reads the best
+  one); otherwise the last step's.
+  """
+  evals, best = {}, {}
   step = None
   for record in records:
     if record["kind"].startswith("eval/"):
       evals[record["kind"][5:]] = record
       step = record["step"]
+    elif record["kind"].startswith("best/"):
+      best[record["kind"][5:]] = record
+  if "test" in best:
+    return int(best["test"]["checkpoint_step"]), best
   return step, evals
 
 
@@ -183,6 +198,58 @@ def cmd_train(args):
   loop.train_and_evaluate(config, args.workdir)
   wall = time.perf_counter() - start
   write_report(config, args.workdir, args.out, wall_s=wall, command=_command())
+
+
+SUMMARY_METRICS = ("ndcg@10", "hr@10", "mrr")
+
+
+def cmd_seeds(args):
+  """Trains `--config` once per seed (resuming a finished or cut-off seed's run),
+  then writes per-seed and mean metrics with their spread, and the curves."""
+  from trainer import loop  # pylint: disable=import-outside-toplevel
+  per_seed = []
+  for seed in args.seeds:
+    config = load_config(args.config, args.set + [f"seed={seed}"])
+    workdir = os.path.join(args.workdir, f"seed_{seed}")
+    out = os.path.join(args.workdir, f"seed_{seed}.json")
+    print(f"== seed {seed}: {workdir}", flush=True)
+    start = time.perf_counter()
+    loop.train_and_evaluate(config, workdir)
+    write_report(config, workdir, out, wall_s=time.perf_counter() - start, command=_command())
+    per_seed.append({"seed": seed, **json.loads(pathlib.Path(out).read_text())})
+  summary = {"seeds": list(args.seeds), "config": per_seed[0]["config"],
+             "command": _command(), "published": PUBLISHED,
+             "popularity_baseline": per_seed[0]["popularity_baseline"]}
+  for name in SUMMARY_METRICS:
+    values = np.array([run[name] for run in per_seed])
+    summary[name] = float(values.mean())
+    summary[f"{name}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    summary[f"{name}_min_max"] = [float(values.min()), float(values.max())]
+  summary["per_seed"] = [
+      {"seed": run["seed"], "step": run["step"], "wall_s": run["wall_s"],
+       **{name: run[name] for name in SUMMARY_METRICS}, "test": run["test"],
+       "validation_curve": run["validation_curve"]} for run in per_seed]
+  path = pathlib.Path(args.out)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(summary, indent=2) + "\n")
+  print("  ".join(f"{name} {summary[name]:.4f} +- {summary[name + '_std']:.4f}"
+                  for name in SUMMARY_METRICS) + f" over seeds {list(args.seeds)}")
+  print(f"wrote {path}")
+  if args.plot:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for run in per_seed:
+      curve = run["validation_curve"]
+      ax.plot([c["step"] for c in curve], [c["ndcg@10"] for c in curve], "o-",
+              label=f"seed {run['seed']}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation NDCG@10")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    print(f"wrote {args.plot}")
 
 
 def cmd_collect(args):
@@ -252,12 +319,16 @@ def _command() -> str:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True)
-  for name in ("train", "collect"):
+  for name in ("train", "collect", "seeds"):
     p = sub.add_parser(name)
     p.add_argument("--config", default="configs/ml1m.py")
-    p.add_argument("--workdir", required=True)
+    p.add_argument("--workdir", required=True,
+                   help="the run's directory (seeds: one seed_<s> folder per seed in it)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override, e.g. optimizer.learning_rate=2e-3")
+    if name == "seeds":
+      p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+      p.add_argument("--plot", default="docs/results/ml1m_seeds.png")
     p.add_argument("--out", default="docs/results/ml1m_metrics.json")
   p = sub.add_parser("compare")
   p.add_argument("--cutbce", required=True)
@@ -265,7 +336,8 @@ def main():
   p.add_argument("--out", default="docs/results/ml1m_dense_vs_cutbce.json")
   p.add_argument("--plot", default="docs/results/ml1m_dense_vs_cutbce.png")
   args = parser.parse_args()
-  {"train": cmd_train, "collect": cmd_collect, "compare": cmd_compare}[args.command](args)
+  {"train": cmd_train, "collect": cmd_collect, "seeds": cmd_seeds,
+   "compare": cmd_compare}[args.command](args)
 
 
 if __name__ == "__main__":
