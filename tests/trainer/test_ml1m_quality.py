@@ -1,0 +1,25 @@
+"""benchmarks/ml1m_quality.py: which evaluation is the run's result."""
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _script():
+  spec = importlib.util.spec_from_file_location(
+      "ml1m_quality", os.path.join(ROOT, "benchmarks", "ml1m_quality.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_best_checkpoint_is_the_result_when_the_run_kept_one():
+  script = _script()
+  last = [{"kind": "train", "step": 10, "loss": 1.0},
+          {"kind": "eval/validation", "step": 20, "ndcg@10": 0.2},
+          {"kind": "eval/test", "step": 20, "ndcg@10": 0.1}]
+  assert script.final_evals(last) == (20, {"validation": last[1], "test": last[2]})
+  best = [{"kind": "best/validation", "step": 20, "ndcg@10": 0.3, "checkpoint_step": 10.0},
+          {"kind": "best/test", "step": 20, "ndcg@10": 0.25, "checkpoint_step": 10.0}]
+  assert script.final_evals(last + best) == (10, {"validation": best[0], "test": best[1]})
