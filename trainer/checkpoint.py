@@ -57,6 +57,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from trainer import paths
+
 
 def metric_fn(best_metric: str):
   """`metrics -> float`: the value of `best_metric` (-inf when a checkpoint lacks it)."""
@@ -101,8 +103,7 @@ def make_manager(directory: str | os.PathLike, max_to_keep: int | None,
             policies.LatestN(n=max_to_keep),
             policies.BestN(get_metric_fn=best, reverse=False, n=1,
                            keep_checkpoints_without_metrics=False)]), **common)
-  return ocp.CheckpointManager(directory if "://" in os.fspath(directory)  # gs:// as given
-                               else os.path.abspath(directory), options=options,
+  return ocp.CheckpointManager(paths.as_path(directory), options=options,
                                item_names=("state", "data"))
 
 
@@ -156,8 +157,7 @@ def restore_params(directory: str | os.PathLike, step: int, abstract_params):
     The params, placed as `abstract_params` says.
   """
   item = {"params": abstract_params}
-  path = os.path.join(directory if "://" in os.fspath(directory) else os.path.abspath(directory),
-                      str(step), "state")
+  path = paths.as_path(directory) / str(step) / "state"
   with ocp.PyTreeCheckpointer() as checkpointer:
     restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
