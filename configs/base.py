@@ -87,6 +87,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Loss: cutbce backend ("auto", "xla", "pallas_tpu", "dense") and whether
   # l_t is divided by V ("mean") or not ("sum").
   config.loss = ml_collections.ConfigDict()
+  # "bce": full-catalog multi-label BCE (`cut_bce`, everything below applies);
+  # "softmax_ce": the dense full softmax cross-entropy, a baseline to compare
+  # with (`trainer.train.dense_softmax_ce`; no variants, V x tokens logits).
+  config.loss.kind = "bce"
   config.loss.backend = "auto"
   config.loss.vocab_reduction = "sum"
   # Loss variants of `cutbce.cut_bce`, all off by default. Weight of positive

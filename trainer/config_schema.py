@@ -141,6 +141,8 @@ KEYS: tuple[schema.Key, ...] = (
         "validation window (0: no validation examples)", when=_GTS),
     key("data.split_options.gap", INT, at_least(0), "gap before each window", when=_GTS,
         required=False),
+    key("loss.kind", STR, one_of("bce", "softmax_ce"), "the loss: full-catalog BCE "
+        "(`cut_bce`) or the dense full softmax cross-entropy baseline"),
     key("loss.backend", STR, one_of(*BACKEND_CHOICES), "`cutbce` backend of the loss"),
     key("loss.vocab_reduction", STR, one_of("mean", "sum"), "l_t divided by V (mean) or not"),
     key("loss.pos_weight", FLOAT, above(0), "weight of positive labels (None: 1)",
@@ -294,6 +296,20 @@ def _heads_divide_dim(values, context):
   del context
   if values["model.dim"] % values["model.num_heads"]:
     return f"a multiple of config.model.num_heads={values['model.num_heads']}"
+  return None
+
+
+def _softmax_ce_has_no_variants(values, context):
+  del context
+  if values["loss.kind"] != "softmax_ce":
+    return None
+  default = {"loss.label_smoothing": 0.0}
+  on = [k for k in ("loss.pos_weight", "loss.label_smoothing", "loss.logit_soft_cap",
+                    "loss.focal_gamma", "loss.focal_alpha")
+        if values[k] is not None and values[k] != default.get(k)]
+  if on:
+    return (f"'bce' to use {', '.join('config.' + k for k in on)} (BCE variants; "
+            "the softmax cross-entropy takes none)")
   return None
 
 
@@ -470,6 +486,11 @@ RULES: tuple[Rule, ...] = (
          keys=("data.prepared_dir", "data.prepare_per_host"),
          check=_placeholder_needs_per_host,
          doc="`{process}` in `data.prepared_dir` only with `data.prepare_per_host`"),
+    Rule(name="softmax_ce_has_no_variants",
+         keys=("loss.kind", "loss.pos_weight", "loss.label_smoothing", "loss.logit_soft_cap",
+               "loss.focal_gamma", "loss.focal_alpha"),
+         check=_softmax_ce_has_no_variants,
+         doc="`loss.kind=\"softmax_ce\"` takes none of the BCE variants"),
     Rule(name="best_metric_is_evaluated", keys=("checkpoint.best_metric", "eval.ks"),
          check=_best_metric_is_evaluated,
          doc="`checkpoint.best_metric` is a metric the evaluation computes (k in `eval.ks`)"),

@@ -162,7 +162,7 @@ class Trainer:
         mesh=self.mesh, token_axes=tuple(config.mesh.token_axes),
         vocab_axis=config.mesh.vocab_axis, num_items=num_items, seed=config.seed,
         backend=config.loss.backend, vocab_reduction=config.loss.vocab_reduction,
-        **train_lib.loss_variants(config.loss))
+        loss_kind=config.loss.kind, **train_lib.loss_variants(config.loss))
     self.train_step = train_lib.jit_train_step(self.graphdef, tx, schedule, self.settings,
                                                self.shardings)
     eval_settings = self.settings._replace(backend=config.eval.backend)

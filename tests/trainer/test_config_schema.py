@@ -241,6 +241,7 @@ RULE_BREAKERS = {
     "prepared_dir_matches": _prepared_otherwise,
     "per_host_folder_is_local": _set_all(data__prepare_per_host=True),
     "process_placeholder_needs_per_host": _set_all(data__prepared_dir="/data/prepared-{process}"),
+    "softmax_ce_has_no_variants": _set_all(loss__kind="softmax_ce", loss__label_smoothing=0.1),
     "best_metric_is_evaluated": _set_all(checkpoint__best_metric="ndcg@7"),
 }
 
