@@ -144,6 +144,21 @@ def final_evals(records: list[dict]) -> tuple[int, dict]:
   return step, evals
 
 
+def validation_curve(records: list[dict]) -> list[dict]:
+  """Validation NDCG@10 and HR@10 by step (the newest record of a step counts once)."""
+  by_step = {r["step"]: r for r in records if r["kind"] == "eval/validation"}
+  return [{"step": step, "ndcg@10": r["ndcg@10"], "hit@10": r["hit@10"]}
+          for step, r in sorted(by_step.items())]
+
+
+def finished(workdir: str, train_steps: int) -> bool:
+  """Whether `workdir` holds a run that reached `train_steps` and evaluated the test split."""
+  if not (pathlib.Path(workdir) / "metrics.jsonl").exists():
+    return False
+  return any(r["kind"] == "eval/test" and r["step"] == train_steps
+             for r in read_metrics(workdir))
+
+
 def train_time_from_log(records: list[dict]) -> float:
   """Training seconds implied by the logged rates (evaluation time excluded)."""
   seconds, last = 0.0, 0
@@ -169,8 +184,7 @@ def write_report(config, workdir: str, out: str, *, wall_s: float | None, comman
       "test": {k: v for k, v in test.items() if k not in ("step", "kind")},
       "validation": {k: v for k, v in evals.get("validation", {}).items()
                      if k not in ("step", "kind")},
-      "validation_curve": [{"step": r["step"], "ndcg@10": r["ndcg@10"], "hit@10": r["hit@10"]}
-                           for r in records if r["kind"] == "eval/validation"],
+      "validation_curve": validation_curve(records),
       "loss_backend": config.loss.backend,
       "config": _recorded_config(config),
       "command": command,
@@ -212,10 +226,17 @@ def cmd_seeds(args):
     config = load_config(args.config, args.set + [f"seed={seed}"])
     workdir = os.path.join(args.workdir, f"seed_{seed}")
     out = os.path.join(args.workdir, f"seed_{seed}.json")
-    print(f"== seed {seed}: {workdir}", flush=True)
-    start = time.perf_counter()
-    loop.train_and_evaluate(config, workdir)
-    write_report(config, workdir, out, wall_s=time.perf_counter() - start, command=_command())
+    if finished(workdir, config.train_steps):
+      # Collected, not trained again; the wall time is the one of the run that trained it.
+      print(f"== seed {seed}: {workdir} finished, collecting its metrics", flush=True)
+      previous = pathlib.Path(out)
+      wall_s = json.loads(previous.read_text())["wall_s"] if previous.exists() else None
+    else:
+      print(f"== seed {seed}: {workdir}", flush=True)
+      start = time.perf_counter()
+      loop.train_and_evaluate(config, workdir)
+      wall_s = time.perf_counter() - start
+    write_report(config, workdir, out, wall_s=wall_s, command=_command())
     per_seed.append({"seed": seed, **json.loads(pathlib.Path(out).read_text())})
   summary = {"seeds": list(args.seeds), "config": per_seed[0]["config"],
              "command": _command(), "published": PUBLISHED,
@@ -227,6 +248,7 @@ def cmd_seeds(args):
     summary[f"{name}_min_max"] = [float(values.min()), float(values.max())]
   summary["per_seed"] = [
       {"seed": run["seed"], "step": run["step"], "wall_s": run["wall_s"],
+       "train_s_from_log": run["train_s_from_log"],
        **{name: run[name] for name in SUMMARY_METRICS}, "test": run["test"],
        "validation_curve": run["validation_curve"]} for run in per_seed]
   path = pathlib.Path(args.out)

@@ -1,6 +1,7 @@
-"""benchmarks/ml1m_quality.py: which evaluation is the run's result."""
+"""benchmarks/ml1m_quality.py: which evaluation is the run's result, which runs are done."""
 
 import importlib.util
+import json
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,3 +24,19 @@ def test_the_best_checkpoint_is_the_result_when_the_run_kept_one():
   best = [{"kind": "best/validation", "step": 20, "ndcg@10": 0.3, "checkpoint_step": 10.0},
           {"kind": "best/test", "step": 20, "ndcg@10": 0.25, "checkpoint_step": 10.0}]
   assert script.final_evals(last + best) == (10, {"validation": best[0], "test": best[1]})
+
+
+def test_a_finished_run_is_collected_once_and_its_curve_has_each_step_once(tmp_path):
+  script = _script()
+  records = [{"kind": "eval/validation", "step": 10, "ndcg@10": 0.1, "hit@10": 0.2},
+             {"kind": "eval/validation", "step": 20, "ndcg@10": 0.3, "hit@10": 0.4}]
+  assert not script.finished(str(tmp_path), 20)  # no metrics yet
+  (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+  assert not script.finished(str(tmp_path), 20)  # no test evaluation yet
+  # A finished run evaluated again (resumed at its last step) logs step 20 twice.
+  records += [{"kind": "eval/test", "step": 20, "ndcg@10": 0.25, "hit@10": 0.3},
+              {"kind": "eval/validation", "step": 20, "ndcg@10": 0.3, "hit@10": 0.4}]
+  (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+  assert script.finished(str(tmp_path), 20) and not script.finished(str(tmp_path), 30)
+  assert script.validation_curve(script.read_metrics(str(tmp_path))) == [
+      {"step": 10, "ndcg@10": 0.1, "hit@10": 0.2}, {"step": 20, "ndcg@10": 0.3, "hit@10": 0.4}]
