@@ -14,7 +14,8 @@ AdamW at 2e-3 with 200 warm-up steps and cosine decay, dropout 0.1.
 
 Tuned on 2 shared CPU cores (test NDCG@10, metrics in docs/results/ml1m_tuning/):
 N = 200, one label, 1,200 steps of 128: 0.100; N = 100, 4 labels, 2,000
-steps of 128: 0.132; the same with 4,000 steps of 64: 0.150; this config (6,000 steps of 64, 20 minutes): 0.158, HR@10 0.284
+steps of 128: 0.132; the same with 4,000 steps of 64: 0.150; this config
+(6,000 steps of 64, 20 minutes): 0.158, HR@10 0.284
 (docs/results/ml1m_tuning/n100_l4_b64_6000steps.json). configs/ml1m_best.py
 adds an item bias and 9,000 steps.
 Runs spend their first few hundred steps on the most-popular plateau
