@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cutbce import inputs as cutbce_inputs
 from cutbce import sharding as cutbce_sharding
+from cutbce import sparse as cutbce_sparse
 from trainer import model as model_lib
 
 TrainState = dict  # {"step": int32 [], "params": dict, "opt_state": optax state}
@@ -153,29 +154,27 @@ def dense_softmax_ce(hidden, table, targets, weights, *, bias=None, num_items=No
   """
   vocab = table.shape[0]
   num_items = vocab if num_items is None else num_items
-  logits = jnp.einsum("...d,vd->...v", hidden.astype(jnp.float32),
+  dim, labels = hidden.shape[-1], targets.shape[-1]
+  logits = jnp.einsum("td,vd->tv", hidden.reshape(-1, dim).astype(jnp.float32),
                       table.astype(jnp.float32))
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   item = jnp.arange(vocab) < num_items
   logits = jnp.where(item, logits, -jnp.inf)
   log_z = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-  valid = (targets >= 0) & (targets < num_items)
-  earlier = jnp.tril(jnp.ones((targets.shape[-1],) * 2, bool), -1)  # [L, L]: j' < j
-  repeated = jnp.any((targets[..., :, None] == targets[..., None, :]) & valid[..., None, :]
-                     & earlier, axis=-1)
-  keep = valid & ~repeated
-  safe = jnp.where(keep, targets, 0)
-  picked = jnp.take_along_axis(logits, safe, axis=-1)
+  # `cut_bce`'s own target ids: valid, deduplicated (keep), padding set to id 0.
+  ids = cutbce_sparse.prepare_ids(targets.reshape(-1, labels), None, num_items)
+  keep = ids.target_mask
+  picked = jnp.take_along_axis(logits, ids.target_ids, axis=-1)
   per_token = jnp.sum(jnp.where(keep, log_z - picked, 0.0), axis=-1)
-  weights = jnp.asarray(weights, jnp.float32)
-  loss = cutbce_inputs.reduce_weighted(per_token.reshape(-1), weights.reshape(-1), "mean", 1)
+  weights = jnp.asarray(weights, jnp.float32).reshape(-1)
+  loss = cutbce_inputs.reduce_weighted(per_token, weights, "mean", 1)
   # Kept targets are distinct items, so the counts need no [..., V] label array.
   num_targets = jnp.sum(keep, axis=-1)
   tp = jnp.sum(keep & (picked > 0), axis=-1)
   predicted = jnp.sum(logits > 0, axis=-1)  # padding rows are -inf
   counts = (tp, predicted - tp, num_targets - tp, num_items - num_targets - (predicted - tp))
-  stats = cutbce_inputs.weighted_stats([c.reshape(-1) for c in counts], weights.reshape(-1))
+  stats = cutbce_inputs.weighted_stats(counts, weights)
   return loss, stats
 
 
