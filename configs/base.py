@@ -133,6 +133,13 @@ def get_config() -> ml_collections.ConfigDict:
   # (trainer.evaluate, recommend, export) read the best one by default.
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.best_metric = "ndcg@10"
+  # What `python -m trainer.compile` assumes of the data it does not read:
+  # the catalog size V (None: pass --num_items), and the evaluation batch's
+  # targets L and excluded history ids E per user (None: num_targets, seq_len).
+  config.compile = ml_collections.ConfigDict()
+  config.compile.num_items = ml_collections.config_dict.placeholder(int)
+  config.compile.eval_targets = ml_collections.config_dict.placeholder(int)
+  config.compile.eval_exclude = ml_collections.config_dict.placeholder(int)
   # jax.profiler trace of steps [start, start + num_steps) into WORKDIR/profile;
   # num_steps = 0 disables it.
   config.profile = ml_collections.ConfigDict({"start_step": 10, "num_steps": 0})

@@ -58,4 +58,7 @@ def get_config():
   config.checkpoint_every = 2_500
   config.log_every = 100
   config.profile = {"start_step": 100, "num_steps": 5}
+  # Yambda-50M's listens with played_ratio_pct >= 50 hold 876,939 items (the
+  # paper's catalog): what `python -m trainer.compile` compiles for.
+  config.compile.num_items = 876_939
   return config

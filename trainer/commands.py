@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from absl import app, flags, logging
 
@@ -142,6 +142,36 @@ def app_main(main: Callable[[list[str]], int]) -> None:
     sys.exit(main(argv))
 
   app.run(absl_main, flags_parser=flags_parser)
+
+
+def bad_config(error: Exception) -> NoReturn:
+  """Exits with status 2 and one line `bad config: <error>` on stderr."""
+  print(f"bad config: {error}", file=sys.stderr)
+  sys.exit(2)
+
+
+def parse_config_flags(argv: list[str]) -> list[str]:
+  """absl's parsing of the global flags, with mistakes in `--config` and its overrides as one line.
+
+  The flags parser of the commands that take a config file (`trainer.main`,
+  `trainer.compile`): unknown override keys, values of the wrong type and a
+  missing config file exit with status 2 and `bad config: ...`; other flag
+  errors as absl does.
+  """
+  try:
+    config_schema.check_overrides(argv)
+    return flags.FLAGS(argv)
+  except config_schema.ConfigError as error:
+    bad_config(error)
+  except (flags.Error, AttributeError, KeyError) as error:
+    explained = config_schema.explain_flag_error(error, argv)
+    if explained is not None:
+      bad_config(explained)
+    if not isinstance(error, flags.Error):
+      raise
+    sys.stderr.write(f"FATAL Flags parsing error: {error}\n"
+                     "Pass --helpshort or --helpfull to see help on flags.\n")
+    sys.exit(1)
 
 
 def notice(message: str) -> None:

@@ -21,7 +21,8 @@ __all__ = ["ConfigError", "check_config", "describe_mesh", "make_mesh", "token_s
            "vocab_shard_count"]
 
 
-def check_config(config, device_count: int | None = None, *, workdir: str | None = None) -> None:
+def check_config(config, device_count: int | None = None, *, workdir: str | None = None,
+                 devices=None) -> None:
   """Checks a trainer config against its schema, itself and the devices present.
 
   Args:
@@ -29,6 +30,9 @@ def check_config(config, device_count: int | None = None, *, workdir: str | None
     device_count: devices the mesh must cover; default `jax.device_count()`.
     workdir: the run's directory; when given, the raw data that will have to
       be read is checked to exist (process 0).
+    devices: the run's devices when they are not this process's
+      (`trainer.compile`: a TPU slice described, not attached); their count,
+      slices and hosts are then checked against, as process 0 of the slice.
 
   A -1 in `config.mesh.shape` is replaced, in place, by the devices the
   other axes leave (`fill_mesh_shape`).
@@ -36,6 +40,14 @@ def check_config(config, device_count: int | None = None, *, workdir: str | None
   Raises:
     ConfigError: the first problem found, explained in one line.
   """
+  if devices is not None:
+    fill_mesh_shape(config, len(devices))
+    context = config_schema.Context(
+        device_count=len(devices), slice_count=slice_count(devices),
+        process_count=len({device.process_index for device in devices}), process_index=0,
+        workdir=workdir)
+    config_schema.check(config, context)
+    return
   device_count = jax.device_count() if device_count is None else device_count
   fill_mesh_shape(config, device_count)
   context = config_schema.Context(
@@ -94,6 +106,8 @@ def _slices_are_processes(devices) -> bool:
 def slice_count(devices=None) -> int:
   """Slices of the run: distinct `slice_index` of TPU devices, else processes."""
   devices = jax.devices() if devices is None else devices
+  if devices[0].platform == "tpu" and not hasattr(devices[0], "slice_index"):
+    return 1  # a single slice (libtpu gives devices of one slice no slice_index)
   if _slices_are_processes(devices):
     return len({device.process_index for device in devices})
   return len({device.slice_index for device in devices})
@@ -119,9 +133,15 @@ def mesh_devices(config, devices=None) -> np.ndarray:
       ici, tuple(dcn), devices, process_is_granule=_slices_are_processes(devices))
 
 
-def make_mesh(config) -> Mesh:
-  """The global device mesh of `config.mesh` (axis types Auto; see `mesh_devices`)."""
+def make_mesh(config, devices=None) -> Mesh:
+  """The global device mesh of `config.mesh` (axis types Auto; see `mesh_devices`).
+
+  `devices` default to `jax.devices()`; `trainer.compile` passes a described
+  TPU slice's.
+  """
   names = tuple(config.mesh.axis_names)
+  if devices is not None:
+    return Mesh(mesh_devices(config, devices), names, axis_types=(AxisType.Auto,) * len(names))
   if config.mesh.get("dcn_shape") is None:
     return jax.make_mesh(tuple(config.mesh.shape), names,
                          axis_types=(AxisType.Auto,) * len(names))

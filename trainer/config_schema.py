@@ -161,6 +161,12 @@ KEYS: tuple[schema.Key, ...] = (
     key("eval.max_batches", INT, at_least(1), "global batches per evaluation (None: all users)",
         none_ok=True),
     key("eval.backend", STR, one_of(*BACKEND_CHOICES), "`cutbce` backend of the ranking"),
+    key("compile.num_items", INT, _INT32_IDS, "V that `python -m trainer.compile` (which reads "
+        "no data) compiles for (None: its `--num_items` flag is needed)", none_ok=True),
+    key("compile.eval_targets", INT, at_least(1), "L of the evaluation batch `trainer.compile` "
+        "compiles for (None: `num_targets`)", none_ok=True),
+    key("compile.eval_exclude", INT, at_least(1), "E, history ids excluded per user in the "
+        "evaluation batch `trainer.compile` compiles for (None: `seq_len`)", none_ok=True),
     key("profile.start_step", INT, at_least(0), "first step of the jax.profiler trace"),
     key("profile.num_steps", INT, at_least(0), "steps traced (0: no trace)"),
 )

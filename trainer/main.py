@@ -20,10 +20,11 @@ evaluation keys may change freely (`trainer/run_config.py`).
 from __future__ import annotations
 
 import sys
-from typing import NoReturn
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from trainer import commands
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Trainer config file.",
                                           lock_config=True)
@@ -42,32 +43,8 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _bad_config(error: Exception) -> NoReturn:
-  print(f"bad config: {error}", file=sys.stderr)
-  sys.exit(2)
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with mistakes in `--config` and its overrides as one line.
-
-  Unknown override keys, values of the wrong type and a missing config file
-  exit with status 2 and `bad config: ...`; other flag errors as absl does.
-  """
-  from trainer import config_schema  # pylint: disable=import-outside-toplevel
-  try:
-    config_schema.check_overrides(argv)
-    return flags.FLAGS(argv)
-  except config_schema.ConfigError as error:
-    _bad_config(error)
-  except (flags.Error, AttributeError, KeyError) as error:
-    explained = config_schema.explain_flag_error(error, argv)
-    if explained is not None:
-      _bad_config(explained)
-    if not isinstance(error, flags.Error):
-      raise
-    sys.stderr.write(f"FATAL Flags parsing error: {error}\n"
-                     "Pass --helpshort or --helpfull to see help on flags.\n")
-    sys.exit(1)
+_bad_config = commands.bad_config
+parse_flags = commands.parse_config_flags
 
 
 def check_or_exit(config, workdir: str | None) -> None:

@@ -47,7 +47,7 @@ HARMLESS_KEYS = frozenset({
     "log_every", "eval_every", "eval_batch_size", "checkpoint_every", "max_checkpoints",
     "data.num_threads", "data.prefetch_buffer_size", "data.prepared_dir",
     "data.prepare_per_host", "loss.backend"})
-HARMLESS_SECTIONS = ("eval.", "checkpoint.", "profile.")
+HARMLESS_SECTIONS = ("eval.", "checkpoint.", "profile.", "compile.")
 _ABSENT = "(absent)"
 _SECTIONS = schema.sections_of(config_schema.KEYS)
 

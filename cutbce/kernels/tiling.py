@@ -13,7 +13,9 @@ Either way the compiled temp memory stays flat in V.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 
 # Bytes the XLA path aims to spend on one float32 [T, block_v] logit tile, and
 # the largest block_v, per platform. CPU: 2 MiB measured fastest (docs/loss.md).
@@ -141,11 +143,32 @@ def _spec_from_info(name: str, info) -> ChipSpec:
   )
 
 
+_TARGET = threading.local()
+
+
+@contextlib.contextmanager
+def target_chip(chip: str | None):
+  """Plans for `chip` where no chip is named, while tracing inside this context.
+
+  For compiling on a host without a TPU for one that is not attached
+  (`cutbce.kernels.compiler`): the kernels' plans (`chip=None`) are then those
+  of the chip compiled for, not of `DEFAULT_CHIP`. An attached TPU still wins.
+  """
+  if chip is not None:
+    chip_spec(chip)  # an unknown name fails here, not at trace time
+  previous = getattr(_TARGET, "chip", None)
+  _TARGET.chip = chip
+  try:
+    yield
+  finally:
+    _TARGET.chip = previous
+
+
 def chip_spec(chip: str | None = None) -> ChipSpec:
   """One TensorCore of `chip` ("v4", "v5e", "v5p", "v6e", ...), or of the attached TPU.
 
-  With `chip=None`: the attached TPU (`pltpu.get_tpu_info()`), or `DEFAULT_CHIP`
-  when the default backend is not a TPU. Named chips come from
+  With `chip=None`: the attached TPU (`pltpu.get_tpu_info()`), else the chip of
+  the enclosing `target_chip(...)`, else `DEFAULT_CHIP`. Named chips come from
   `pltpu.get_tpu_info_for_chip(ChipVersion(chip), 1)` (per TensorCore), or
   from a small built-in table if this jax lacks it.
 
@@ -161,7 +184,7 @@ def chip_spec(chip: str | None = None) -> ChipSpec:
     if jax.default_backend() == "tpu" and pltpu is not None:
       info = pltpu.get_tpu_info()
       return _spec_from_info(str(info.chip_version), info)
-    chip = DEFAULT_CHIP
+    chip = getattr(_TARGET, "chip", None) or DEFAULT_CHIP
   versions = getattr(pltpu, "ChipVersion", None)
   for_chip = getattr(pltpu, "get_tpu_info_for_chip", None)
   if versions is not None and for_chip is not None:
