@@ -57,8 +57,10 @@ def _cost(compiled) -> dict[str, float]:
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else {}
-  return {"flops": float(cost.get("flops", 0.0)),
-          "optimal_seconds": float(cost.get("optimal_seconds", 0.0))}
+  flops, seconds = cost.get("flops"), cost.get("optimal_seconds")
+  # The compiler says -1 (or nothing) where it has no estimate.
+  known = lambda value: None if value is None or value < 0 else float(value)  # noqa: E731
+  return {"flops": known(flops), "optimal_seconds": known(seconds)}
 
 
 def compile_step(name: str, jitted, args, *, devices, hbm_bytes: int) -> dict[str, Any]:
@@ -149,6 +151,10 @@ def _gib(value) -> str:
   return "-" if value is None else f"{value / GIB:.2f}"
 
 
+def _scaled(value, factor: float, digits: int) -> str:
+  return "-" if value is None else f"{value * factor:.{digits}f}"
+
+
 def format_table(results: list[dict[str, Any]]) -> str:
   """One line per step; the compiler's cost columns are its estimate, not a timing."""
   lines = [f"{'step':<8} {'args GiB':>9} {'temp GiB':>9} {'peak GiB':>9} {'HBM GiB':>8} "
@@ -163,9 +169,10 @@ def format_table(results: list[dict[str, Any]]) -> str:
         f"{r['step']:<8} {_gib(r['argument_bytes']):>9} {_gib(r['temp_bytes']):>9} "
         f"{_gib(r['peak_bytes']):>9} {_gib(r['hbm_bytes']):>8} {_gib(r['margin_bytes']):>10} "
         f"{'yes' if r['fits'] else 'no':>4} {r['compile_s']:>9.1f} "
-        f"{r['compiler_flops'] / 1e12:>7.3f} {r['compiler_optimal_seconds'] * 1e3:>8.3f}")
+        f"{_scaled(r['compiler_flops'], 1e-12, 3):>7} "
+        f"{_scaled(r['compiler_optimal_seconds'], 1e3, 3):>8}")
   lines.append("* the compiler's cost estimate for one call on one chip (flops, "
-               "optimal_seconds), not a timing")
+               "optimal_seconds), not a timing; - where it gives none")
   return "\n".join(lines)
 
 

@@ -1,0 +1,65 @@
+"""`cutbce.kernels.compiler`: named slices and what the TPU compiler reports, parsed."""
+
+import pytest
+
+from cutbce.kernels import compiler, tiling
+
+NO_LIBTPU = compiler.libtpu_missing_reason() is not None
+
+
+def test_scoped_vmem_is_read_from_mosaics_error():
+  message = ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: ... Scoped allocation with "
+             "size 11.52M and limit 8.00M exceeded scoped vmem limit by 3.52M.")
+  # Rounded up to the message's precision: a limit of this many bytes is enough.
+  assert compiler.scoped_vmem_bytes(message) == round(11.52 * 2**20) + 2**20 // 100
+  assert compiler.scoped_vmem_bytes("Scoped allocation with size 640K and") == 640 * 1024 + 10
+  assert compiler.scoped_vmem_bytes("INTERNAL: something else") is None
+
+
+def test_hbm_shortfall_is_read_from_xla_tpus_error():
+  message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+             "temporaries (67.40G) exceeds available HBM (15.75G)")
+  need, have = compiler.hbm_shortfall(message)
+  assert (need, have) == (round(67.40 * 2**30), round(15.75 * 2**30))
+  assert compiler.hbm_shortfall("Ran out of memory in memory space hbm. Used 20.10G of "
+                                "15.75G hbm. Exceeded") == (round(20.1 * 2**30),
+                                                           round(15.75 * 2**30))
+  assert compiler.hbm_shortfall("Scoped allocation with size 11.52M") is None
+
+
+def test_unknown_topology_lists_the_known_ones_in_one_line():
+  with pytest.raises(ValueError) as error:
+    compiler.topology("v7x-9")
+  message = str(error.value)
+  assert "\n" not in message and "v6e-8" in message and "v5e-16" in message
+  with pytest.raises(ValueError, match="num_slices must be a positive int"):
+    compiler.topology_devices("v6e-8", num_slices=0)
+
+
+def test_topologies_name_their_chips_and_hosts():
+  assert compiler.topology("v6e-8").chips == 8 and compiler.topology("v6e-8").hosts == 1
+  assert compiler.topology("v5e-16").hosts == 4
+  for spec in compiler.TOPOLOGIES.values():
+    tiling.chip_spec(spec.chip)  # every chip is one the planner knows
+
+
+def test_target_chip_rejects_an_unknown_chip_and_nests():
+  with pytest.raises(ValueError, match="chip must be one of"):
+    with tiling.target_chip("v9z"):
+      pass
+  with tiling.target_chip("v6e"):
+    with tiling.target_chip("v5p"):
+      assert tiling.chip_spec().name == "v5p"
+    assert tiling.chip_spec().name == "v6e"
+  assert tiling.chip_spec().name == tiling.DEFAULT_CHIP
+
+
+@pytest.mark.skipif(NO_LIBTPU, reason="libtpu missing: pip install 'cutbce[tpu]'")
+@pytest.mark.parametrize("name,count,kind", [("v5e-8", 8, "TPU v5 lite"),
+                                             ("v6e-16", 16, "TPU v6 lite"),
+                                             ("v5p-8", 4, "TPU v5")])
+def test_topology_devices_are_the_slices_chips(name, count, kind):
+  devices = compiler.topology_devices(name)
+  assert len(devices) == count and devices[0].device_kind == kind
+  assert compiler.chip_of(devices[0]) == compiler.topology(name).chip
+  assert len(compiler.topology_devices(name, num_slices=2)) == 2 * count

@@ -1,0 +1,68 @@
+"""`python -m trainer.compile`: the trainer's steps compiled for a TPU slice, with no TPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cutbce.kernels import compiler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NO_LIBTPU = compiler.libtpu_missing_reason() is not None
+
+
+def _compile(*flags, timeout=300):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)  # the slice's devices, not simulated CPU ones
+  return subprocess.run([sys.executable, "-m", "trainer.compile", *flags], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_an_unknown_topology_is_one_line_listing_the_known_ones():
+  result = _compile("--config=configs/smoke.py", "--topology=v7x-9", timeout=120)
+  assert result.returncode == 2, result.stderr[-2000:]
+  line = result.stderr.strip().splitlines()[-1]
+  assert line.startswith("bad config: --topology: unknown TPU topology 'v7x-9'; known: v5e-1")
+  assert "v6e-8" in line and "Traceback" not in result.stderr
+
+
+def test_an_unknown_catalog_size_is_one_line():
+  result = _compile("--config=configs/smoke.py", "--topology=v6e-8", timeout=120)
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1] == (
+      "bad config: the catalog size is unknown: pass --num_items=V or set "
+      "config.compile.num_items")
+
+
+@pytest.mark.skipif(NO_LIBTPU, reason="libtpu missing: pip install 'cutbce[tpu]'")
+def test_steps_that_fit_print_the_table_and_a_json_line():
+  result = _compile("--config=configs/smoke.py", "--topology=v6e-8", "--num_items=300",
+                    "--config.loss.backend=auto")
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.strip().splitlines()
+  summary = json.loads(lines[-1])
+  assert summary["fits"] and summary["chip"] == "v6e" and summary["devices"] == 8
+  assert [s["step"] for s in summary["steps"]] == ["train", "eval", "top_100"]
+  train = summary["steps"][0]
+  assert train["mosaic_kernels"] >= 1  # "auto" is Pallas when compiled for a TPU
+  assert 0 < train["peak_bytes"] < train["hbm_bytes"] == 34_400_000_000
+  assert train["margin_bytes"] == train["hbm_bytes"] - train["peak_bytes"]
+  assert lines[0].split()[:4] == ["step", "args", "GiB", "temp"]
+  assert "not a timing" in result.stdout
+
+
+@pytest.mark.skipif(NO_LIBTPU, reason="libtpu missing: pip install 'cutbce[tpu]'")
+def test_a_step_over_hbm_says_does_not_fit_and_exits_1():
+  # Dense logits of 16 x 16 tokens over 3 x 10^7 items: ~43 GiB on a 16 GiB chip.
+  result = _compile("--config=configs/smoke.py", "--topology=v5e-1", "--num_items=30000000",
+                    "--config.loss.backend=dense", "--config.mesh.shape=(1,)")
+  assert result.returncode == 1, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr
+  summary = json.loads(result.stdout.strip().splitlines()[-1])
+  train = summary["steps"][0]
+  assert not summary["fits"] and not train["fits"]
+  assert train["required_bytes"] > train["available_bytes"] > 15 * 2**30
+  assert any(line.startswith("does not fit: the train step needs")
+             for line in result.stdout.splitlines())
