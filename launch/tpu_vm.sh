@@ -8,6 +8,12 @@
 #   launch/tpu_vm.sh logs --tpu=NAME --zone=ZONE [--worker=N] [--lines=K] [--follow]
 #   launch/tpu_vm.sh stop --tpu=NAME --zone=ZONE [--grace=SECONDS] [--force]
 #   launch/tpu_vm.sh install --tpu=NAME --zone=ZONE [-- FLAGS]   steps 1-3 of start, no run
+#   launch/tpu_vm.sh compile --tpu=NAME --zone=ZONE [--topology=T] [--num-slices=K] -- FLAGS
+#       compiles the run's train, eval and top-k steps here, with no TPU, for
+#       the slice (python -m trainer.compile; its topology from gcloud unless
+#       --topology=v6e-8 etc. is given): per-chip memory against HBM; exit 1
+#       when a step does not fit. `start --preflight` runs it first and starts
+#       nothing when a step does not fit.
 #
 # start, each step one `gcloud compute tpus tpu-vm` command over --worker=all:
 #   1. copy the working tree's git-tracked files, uncommitted changes included
@@ -28,7 +34,8 @@
 # Options: --remote-dir=DIR (~/cutbce), --python=VERSION (3.11),
 #   --jax=SPEC (jax[tpu]==0.10.2), --jax-cache=DIR|none (WORKDIR/jax_cache),
 #   --worker=N|all, --dry-run (print every command, remote scripts included,
-#   and run nothing).
+#   and run nothing), --preflight (start: compile first), --topology=NAME and
+#   --num-slices=K (compile; the local interpreter is $PYTHON, default python3).
 set -euo pipefail
 
 die() { echo "tpu_vm.sh: $*" >&2; exit 2; }
@@ -37,7 +44,7 @@ squote() { local q="'"; printf "'%s'" "${1//$q/$q\\$q$q}"; }  # 'text', for the 
 # --- Flags -------------------------------------------------------------------
 subcommand=""
 tpu=""; zone=""; project=""; dry_run=0; worker=""; lines=100; follow=0
-grace=300; force=0; jax_cache=""
+grace=300; force=0; jax_cache=""; preflight=0; topology=""; num_slices=1
 remote_dir='~/cutbce'
 # The interpreter and jax of CI: pyproject allows jax>=0.10.2 and Python >= 3.11;
 # CI tests jax 0.10.2 on Python 3.11 (jax 0.x changes the Pallas TPU API between
@@ -59,9 +66,12 @@ while [[ $# -gt 0 ]]; do
     --grace=*) grace=${1#*=} ;;
     --force) force=1 ;;
     --dry-run) dry_run=1 ;;
+    --preflight) preflight=1 ;;
+    --topology=*) topology=${1#*=} ;;
+    --num-slices=*) num_slices=${1#*=} ;;
     --) shift; break ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-    start|install|status|logs|stop)
+    start|install|status|logs|stop|compile)
       [[ -z "$subcommand" ]] || die "one subcommand at a time (got $subcommand and $1)"
       subcommand=$1 ;;
     *) die "unknown option $1 (trainer flags go after --; see --help)" ;;
@@ -73,13 +83,14 @@ subcommand=${subcommand:-start}
 [[ $lines =~ ^[0-9]+$ ]] || die "--lines=$lines: a number of lines"
 [[ $grace =~ ^[0-9]+$ ]] || die "--grace=$grace: a number of seconds"
 [[ $python_version =~ ^3\.[0-9]+$ ]] || die "--python=$python_version: a version such as 3.11"
+[[ $num_slices =~ ^[1-9][0-9]*$ ]] || die "--num-slices=$num_slices: a number of slices >= 1"
 if [[ $subcommand == logs ]]; then
   worker=${worker:-0}
 else
   worker=${worker:-all}
 fi
 [[ $worker == all || $worker =~ ^[0-9]+$ ]] || die "--worker=$worker: a worker number or all"
-if [[ $subcommand == start || $subcommand == install ]]; then
+if [[ $subcommand == start || $subcommand == install || $subcommand == compile ]]; then
   [[ $worker == all ]] || die "$subcommand runs on every worker (--worker=all)"
   [[ $subcommand == install || $# -gt 0 ]] \
     || die "pass the trainer flags after --, e.g. -- --config=configs/X.py --workdir=DIR"
@@ -191,7 +202,38 @@ $stop_function
 GRACE=$grace FORCE=$force
 stop_trainer"
 
+# compile (and start --preflight): trainer.compile here, for the slice's topology.
+compile_steps() {
+  local name=$topology args=() expect=0 arg
+  if [[ -z "$name" ]]; then
+    step "asking gcloud for the accelerator type of $tpu"
+    if [[ $dry_run -eq 1 ]]; then
+      run gcloud compute tpus tpu-vm describe "${gcloud_target[@]}" '--format=value(acceleratorType)'
+      name=ACCELERATOR_TYPE
+    else
+      name=$(gcloud compute tpus tpu-vm describe "${gcloud_target[@]}" \
+        '--format=value(acceleratorType)') || die "could not describe $tpu (pass --topology=...)"
+    fi
+    name=${name/v5litepod-/v5e-}  # Cloud TPU's name of v5e slices
+  fi
+  for arg in "$@"; do  # the trainer's flags, less those of a run (workdir, hosts)
+    if [[ $expect -eq 1 ]]; then expect=0; continue; fi
+    case "$arg" in
+      --workdir|--coordinator_address|--num_processes|--process_id) expect=1 ;;
+      --workdir=*|--coordinator_address=*|--num_processes=*|--process_id=*) ;;
+      --distributed|--allow_config_change|--noallow_config_change) ;;
+      *) args+=("$arg") ;;
+    esac
+  done
+  step "compiling the run's steps for $num_slices x $name here (no TPU is used)"
+  local root
+  root=$(cd "$(dirname "$0")/.." && pwd)
+  PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" run "${PYTHON:-python3}" -m trainer.compile \
+    "--topology=$name" "--num_slices=$num_slices" "${args[@]}"
+}
+
 case "$subcommand" in
+  compile) compile_steps "$@"; exit ;;
   status) ssh_workers "$worker" "$status_script"; exit ;;
   logs) ssh_workers "$worker" "$logs_script"; exit ;;
   stop)
@@ -206,6 +248,10 @@ exit \${status:-0}"
 esac
 
 # --- start (install: its first three steps) -----------------------------------
+if [[ $preflight -eq 1 && $subcommand == start ]]; then
+  compile_steps "$@" || die "preflight: the run's steps do not fit the slice (or did not \
+compile); nothing was started"
+fi
 workdir=""
 expect_workdir=0
 for arg in "$@"; do

@@ -44,6 +44,9 @@ args = sys.argv[1:]
 root = os.environ["FAKE_TPU_ROOT"]
 with open(os.path.join(root, "calls.jsonl"), "a") as calls:
   calls.write(json.dumps(args) + "\n")
+if args[3] == "describe":
+  print(os.environ.get("FAKE_ACCELERATOR", "v5litepod-8"))
+  sys.exit(0)
 if os.environ.get("FAKE_TPU_SIMULATE") != "1":
   sys.exit(0)
 on = next(arg.split("=", 1)[1] for arg in args if arg.startswith("--worker="))
@@ -354,6 +357,47 @@ def test_tpu_vm_stop_waits_the_grace_then_force_kills(fake_slice):
   assert stop.stdout.count("stopped (exit status 137)") == 2
   assert not any(map(_alive, pids))
   assert "sudo rm -f /tmp/libtpu_lockfile" in (fake.root / "sudo.txt").read_text()
+
+
+def _fake_compile(tmp_path, fake, status):
+  """$PYTHON stand-in: records `python -m trainer.compile` arguments, exits `status`."""
+  record = tmp_path / "compile.txt"
+  python = tmp_path / "python"
+  python.write_text(f'#!/usr/bin/env bash\necho "$PYTHONPATH $*" >> {record}\nexit {status}\n')
+  python.chmod(0o755)
+  return dict(fake.env, PYTHON=str(python)), record
+
+
+@pytest.mark.parametrize("extra, topology", [([], "v5e-8"), (["--topology=v6e-16"], "v6e-16")])
+def test_tpu_vm_compile_runs_trainer_compile_here_for_the_slice(tmp_path, extra, topology):
+  fake = FakeSlice(tmp_path, simulate=False)
+  env, record = _fake_compile(tmp_path, fake, 0)
+  result = subprocess.run(["launch/tpu_vm.sh", "compile", *TARGET, *extra, "--num-slices=2",
+                           *TRAINER_FLAGS], cwd=fake.repo, env=env, capture_output=True,
+                          text=True, timeout=60)
+  assert result.returncode == 0, result.stderr
+  # The slice's type from gcloud (v5litepod-8 is v5e-8), unless --topology names it.
+  described = [call for call in fake.calls() if call[3] == "describe"]
+  assert len(described) == (0 if extra else 1) and not any(
+      call[3] in ("ssh", "scp") for call in fake.calls())
+  path, *args = record.read_text().split()
+  assert path == str(fake.repo)
+  assert args == ["-m", "trainer.compile", f"--topology={topology}", "--num_slices=2",
+                  "--config=configs/yambda50m_v6e8.py", "--config.seed=3"]  # no --workdir
+
+
+def test_tpu_vm_start_preflight_starts_nothing_when_a_step_does_not_fit(tmp_path):
+  fake = FakeSlice(tmp_path, simulate=False)
+  env, record = _fake_compile(tmp_path, fake, 1)
+  result = subprocess.run(["launch/tpu_vm.sh", "start", "--preflight", *TARGET, *TRAINER_FLAGS],
+                          cwd=fake.repo, env=env, capture_output=True, text=True, timeout=60)
+  assert result.returncode == 2 and "preflight: the run's steps do not fit" in result.stderr
+  assert record.exists() and [call[3] for call in fake.calls()] == ["describe"]
+  env, record = _fake_compile(tmp_path, fake, 0)
+  result = subprocess.run(["launch/tpu_vm.sh", "start", "--preflight", *TARGET, *TRAINER_FLAGS],
+                          cwd=fake.repo, env=env, capture_output=True, text=True, timeout=60)
+  assert result.returncode == 0, result.stderr
+  assert [call[3] for call in fake.calls()][1:] == ["describe", "scp", "ssh", "ssh", "ssh"]
 
 
 def test_tpu_vm_needs_tpu_and_zone():
