@@ -38,16 +38,31 @@ from ml_collections import config_flags
 
 from trainer import commands
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Trainer config file.",
-                                          lock_config=True)
-_TOPOLOGY = flags.DEFINE_string(
-    "topology", None, "TPU slice to compile for: v5e-8, v6e-8, v6e-16, v5p-8, ... (an unknown "
-    "name lists the known ones).")
-_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices of --topology, joined over DCN "
-                                   "(the config's mesh.dcn_shape spans them).", lower_bound=1)
-_NUM_ITEMS = flags.DEFINE_integer("num_items", None, "Catalog size V to compile for (default "
-                                  "config.compile.num_items).", lower_bound=1)
-flags.mark_flags_as_required(["config", "topology"])
+
+def _define_flags() -> dict[str, Any]:
+  """The command's flags, defined when it runs, not on import.
+
+  `trainer.main` defines its own `--config`; a module that both (or a test
+  process) imports must not define it twice.
+  """
+  defined = {
+      "config": config_flags.DEFINE_config_file("config", None, "Trainer config file.",
+                                                lock_config=True),
+      "topology": flags.DEFINE_string(
+          "topology", None, "TPU slice to compile for: v5e-8, v6e-8, v6e-16, v5p-8, ... (an "
+          "unknown name lists the known ones)."),
+      "num_slices": flags.DEFINE_integer(
+          "num_slices", 1, "Slices of --topology, joined over DCN (the config's mesh.dcn_shape "
+          "spans them).", lower_bound=1),
+      "num_items": flags.DEFINE_integer(
+          "num_items", None, "Catalog size V to compile for (default config.compile.num_items).",
+          lower_bound=1),
+  }
+  flags.mark_flags_as_required(["config", "topology"])
+  return defined
+
+
+_FLAGS: dict[str, Any] = {}
 
 GIB = 1024**3
 
@@ -223,26 +238,27 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)
   from cutbce.kernels import compiler  # pylint: disable=import-outside-toplevel
   from trainer import config_checks  # pylint: disable=import-outside-toplevel
-  config = _CONFIG.value
+  config = _FLAGS["config"].value
   try:
-    compiler.topology(_TOPOLOGY.value)
+    compiler.topology(_FLAGS["topology"].value)
   except ValueError as error:
     commands.bad_config(f"--topology: {error}")
   reason = compiler.libtpu_missing_reason()
   if reason is not None:
     print(reason, file=sys.stderr)
     sys.exit(2)
-  num_items = _NUM_ITEMS.value or config.compile.get("num_items")
+  num_items = _FLAGS["num_items"].value or config.compile.get("num_items")
   if num_items is None:
     commands.bad_config("the catalog size is unknown: pass --num_items=V or set "
                         "config.compile.num_items")
   try:
-    summary = compile_config(config, topology=_TOPOLOGY.value, num_slices=_NUM_SLICES.value,
+    summary = compile_config(config, topology=_FLAGS["topology"].value,
+                             num_slices=_FLAGS["num_slices"].value,
                              num_items=num_items, say=commands.notice)
   except config_checks.ConfigError as error:
     commands.bad_config(error)
   print(format_table(summary["steps"]))
-  for line in does_not_fit_lines(summary["steps"], _TOPOLOGY.value):
+  for line in does_not_fit_lines(summary["steps"], _FLAGS["topology"].value):
     print(line)
   print(json.dumps(summary))
   sys.exit(0 if summary["fits"] else 1)
@@ -250,6 +266,8 @@ def main(argv) -> None:
 
 def run() -> None:
   """The console script `cutbce-compile`."""
+  if not _FLAGS:
+    _FLAGS.update(_define_flags())
   app.run(main, flags_parser=commands.parse_config_flags)
 
 

@@ -136,6 +136,15 @@ def topology_devices(name: str, num_slices: int = 1) -> list:
   return list(desc.devices)
 
 
+def chip_device(chip: str):
+  """One TPU device of `chip` ("v5e", "v6e", "v4", "v5p"): of its smallest named slice."""
+  for spec in TOPOLOGIES.values():
+    if spec.chip == chip:
+      return topology_devices(spec.name)[0]
+  raise ValueError(f"no known TPU topology of chip {chip!r}; known chips: "
+                   f"{sorted({spec.chip for spec in TOPOLOGIES.values()})}")
+
+
 def chip_of(device) -> str:
   """`tiling.chip_spec` name of a TPU device ("TPU v6 lite" -> "v6e").
 

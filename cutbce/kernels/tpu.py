@@ -195,7 +195,7 @@ def _common_dtype(hidden, table):
 
 def _extra_logit_tiles(options: LossOptions) -> int:
   """VMEM temporaries a variant adds per logit tile (see `tiling.vmem_estimate`)."""
-  return 0 if options.is_affine else 4
+  return 0 if options.is_affine else 2
 
 
 def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,

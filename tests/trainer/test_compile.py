@@ -66,3 +66,10 @@ def test_a_step_over_hbm_says_does_not_fit_and_exits_1():
   assert train["required_bytes"] > train["available_bytes"] > 15 * 2**30
   assert any(line.startswith("does not fit: the train step needs")
              for line in result.stdout.splitlines())
+
+
+def test_the_command_defines_no_flag_on_import_so_it_lives_beside_trainer_main():
+  """Both define `--config`: importing them in one process (as pytest does) must work."""
+  result = subprocess.run([sys.executable, "-c", "import trainer.main, trainer.compile"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]

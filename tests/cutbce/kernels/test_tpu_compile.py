@@ -150,3 +150,30 @@ def test_sharded_op_on_a_v6e_2x4_mesh_compiles_with_collectives_outside_the_loop
   assert report.count >= 3 and not report.in_loop, report
   # Per chip: 8 x 512 / 8 tokens, gathered over "model" -> 2,048; V / 4 rows.
   _check_flat(compiled, batch * length // 2, padded // 4, dim)
+
+
+# (chip, kernel, T, V, D, dtype): the planner's plan of that kernel.
+PLANNED = [
+    ("v4", "backward", 8192, 219_235, 128, "bfloat16"),  # 16 MiB of VMEM: a tight plan
+    ("v6e", "one_pass", 8192, 219_235, 128, "bfloat16"),  # the paper's per-chip shape
+    pytest.param("v5e", "forward", 20_000, 300_007, 256, "float32", marks=pytest.mark.slow),
+    pytest.param("v5p", "ranks", 4096, 1_000_003, 128, "bfloat16", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("chip,kernel,tokens,vocab,dim,dtype", PLANNED)
+def test_planned_tiles_compile_and_the_estimate_covers_mosaics_need(
+    chip, kernel, tokens, vocab, dim, dtype):
+  planned_as = "backward" if kernel == "one_pass" else kernel
+  plan = cutbce.plan_tiles(tokens, vocab, dim, dtype, chip=chip, kernel=planned_as,
+                           num_targets=8)
+  device = compiler.chip_device(chip)
+  shapes = dict(num_tokens=tokens, vocab=vocab, dim=dim, dtype=jnp.dtype(dtype), device=device)
+  compiled = compiler.compile_kernel(kernel, plan=plan, **shapes)  # within the chip's budget
+  assert compiler.mosaic_kernels(compiled)
+  actual = compiler.measured_vmem_bytes(kernel, plan=plan, **shapes)
+  chunk = min(plan.token_chunk, tokens)
+  estimate = tiling.vmem_estimate(planned_as, token_chunk=chunk, block_t=plan.block_t,
+                                  block_v=plan.block_v, dim=dim,
+                                  itemsize=jnp.dtype(dtype).itemsize, num_targets=8)
+  assert actual <= estimate <= plan.vmem_limit_bytes, (plan, actual / MIB, estimate / MIB)
