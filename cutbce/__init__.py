@@ -3,13 +3,14 @@
 from cutbce.api import cut_bce, target_ranks
 from cutbce.kernels.tiling import TilePlan, plan_tiles
 from cutbce.metrics import rank_metrics
-from cutbce.reference import dense_bce
+from cutbce.reference import dense_bce, dense_softmax_ce
+from cutbce.softmax import cut_softmax_ce
 from cutbce.stats import Stats
 from cutbce.topk import top_k
 from cutbce.variants import LossOptions
 
 __all__ = [
-    "cut_bce", "dense_bce", "target_ranks", "top_k", "rank_metrics", "Stats", "TilePlan",
+    "cut_bce", "dense_bce", "cut_softmax_ce", "dense_softmax_ce", "target_ranks", "top_k", "rank_metrics", "Stats", "TilePlan",
     "plan_tiles", "LossOptions",
 ]
 __version__ = "0.1.0"

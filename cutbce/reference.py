@@ -88,6 +88,56 @@ def dense_bce(
   return loss, inputs.weighted_stats(counts, flat.weights)
 
 
+def dense_softmax_ce(
+    hidden, table, targets, weights=None, *, bias=None, exclude=None, num_items=None,
+    reduction="mean", label_smoothing=0.0, target_reduction="sum", return_stats=False,
+    backend="dense", plan=None,
+):
+  """`cutbce.cut_softmax_ce` computed densely; same signature and semantics.
+
+  Each position's target distribution over the softmax's items S_t is
+  q_tv = (1 - e) r_t [v in P_t] + e k_t [v in S_t] / |S_t| (k_t, r_t as in
+  `cut_softmax_ce`), and l_t = -sum_{v in S_t} q_tv log_softmax_S(x_t)_v;
+  gradients by autodiff. Memory O(T * V) float32: the test oracle and the
+  trainer's "dense" baseline. `backend` and `plan` are ignored.
+  """
+  del backend
+  inputs.check_choice("reduction", reduction, inputs.REDUCTIONS)
+  inputs.check_choice("target_reduction", target_reduction, ("sum", "mean"))
+  inputs.check_plan(plan)
+  flat = inputs.flatten_inputs(hidden, table, targets, weights, bias, exclude)
+  vocab = flat.table.shape[0]
+  num_items = inputs.check_num_items(num_items, vocab)
+  logits = _dense_logits(flat)
+  labels = _id_mask(flat.targets, vocab, num_items)  # [T, V]
+  in_softmax = jnp.broadcast_to(_item_columns(vocab, num_items), labels.shape)
+  if flat.exclude is not None:
+    in_softmax = in_softmax & ~(_id_mask(flat.exclude, vocab, num_items) & ~labels)
+  log_p = jax.nn.log_softmax(jnp.where(in_softmax, logits, -jnp.inf), axis=-1)
+  count = jnp.sum(labels, axis=-1).astype(jnp.float32)  # n_t
+  if target_reduction == "sum":
+    k, r = count, jnp.ones_like(count)
+  else:
+    k = (count > 0).astype(jnp.float32)
+    r = jnp.where(count > 0, 1.0 / jnp.maximum(count, 1.0), 0.0)
+  size = jnp.sum(in_softmax, axis=-1).astype(jnp.float32)  # |S_t|
+  smoothing = float(label_smoothing)
+  q = ((1.0 - smoothing) * r[:, None] * labels
+       + smoothing * (k / size)[:, None] * in_softmax)
+  per_token = -jnp.sum(jnp.where(in_softmax & (q != 0), q * log_p, 0.0), axis=-1)
+  loss = inputs.reduce_losses(per_token, flat, reduction, "sum", num_items)
+  if not return_stats:
+    return loss
+  predicted = logits > 0
+  counts = (
+      jnp.sum(in_softmax & predicted & labels, axis=-1),
+      jnp.sum(in_softmax & predicted & ~labels, axis=-1),
+      jnp.sum(in_softmax & ~predicted & labels, axis=-1),
+      jnp.sum(in_softmax & ~predicted & ~labels, axis=-1),
+  )
+  return loss, inputs.weighted_stats(counts, flat.weights)
+
+
 def dense_target_ranks(hidden, table, targets, *, bias=None, exclude=None, num_items=None,
                        logit_soft_cap=None):
   """`cutbce.target_ranks` from dense logits: int32 `[..., L]`, 0 for padding."""
@@ -120,4 +170,4 @@ def _leading(hidden):
   return tuple(jnp.shape(hidden)[:-1])
 
 
-__all__ = ["dense_bce", "dense_target_ranks", "Stats"]
+__all__ = ["dense_bce", "dense_softmax_ce", "dense_target_ranks", "Stats"]

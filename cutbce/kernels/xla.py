@@ -239,3 +239,108 @@ def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
   del dim, dtype
   rows = num_tokens * num_targets if kernel == "ranks" else num_tokens
   return TilePlan(block_v=default_xla_block_v(rows, vocab))
+
+
+# --------------------------------------------------------------------------- #
+# Softmax cross-entropy (`cutbce.softmax`): a running log-sum-exp per token.   #
+# --------------------------------------------------------------------------- #
+#
+#   softmax_forward(hidden, table, bias, exclude_ids, *, plan, with_counts,
+#                   num_items, valid_rows=None)
+#       -> (row_max [T] f32, row_sum [T] f32, positive_count [T] int32 or None)
+#       over the softmax's items of each token (rows < num_items and
+#       < valid_rows, not in exclude_ids[t]): row_max = max x_tv (at least
+#       `SOFTMAX_FLOOR`), row_sum = sum exp(x_tv - row_max); and #{x_tv > 0}
+#       over rows < num_items, < valid_rows (excluded ids included: the
+#       caller's sparse counts take them off, as for BCE).
+#   softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad,
+#                    bias_grad, *, plan, num_items, valid_rows=None)
+#       -> (dh [T, D] f32, table_grad, bias_grad)
+#       with p_tv = exp(x_tv - log_z_t) on those items (0 elsewhere):
+#       dh = sum_v g_t p_tv e_v; adds sum_t g_t p_tv h_t to table_grad rows
+#       (and sum_t g_t p_tv to bias_grad), g = `scale`.
+#
+# `exclude_ids` is int32 [T, E] with -1 (or any id out of range) for "none", or
+# None; `valid_rows` an int32 scalar (traced: a vocab shard's real rows) or None.
+
+# The running max starts here, not at -inf: a token whose items are all
+# masked so far keeps row_sum 0 and exp(floor - floor) = 1 scales nothing.
+SOFTMAX_FLOOR = float(jnp.finfo(jnp.float32).min)
+
+
+def _softmax_mask(exclude_ids, valid_rows, num_tokens: int, start, size: int):
+  """`[T, size]` bool: True where column start + j is not in the token's softmax, or None."""
+  masked = None
+  if exclude_ids is not None:
+    local = exclude_ids - start  # [T, E]
+    local = jnp.where((local >= 0) & (local < size), local, size)  # out of tile: dropped
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
+    masked = jnp.zeros((num_tokens, size), bool).at[rows, local].set(True, mode="drop")
+  if valid_rows is not None:
+    past = (start + jnp.arange(size, dtype=jnp.int32) >= valid_rows)[None, :]
+    masked = past if masked is None else masked | past
+  return masked
+
+
+@functools.partial(jax.named_call, name="cutbce_xla_softmax_forward")
+def softmax_forward(hidden, table, bias, exclude_ids, *, plan: TilePlan | None,
+                    with_counts: bool, num_items: int | None = None, valid_rows=None):
+  num_tokens = hidden.shape[0]
+  num_items = table.shape[0] if num_items is None else num_items
+  plan = _plan(plan, "forward", hidden, num_items)
+
+  def step(carry, rows, start, size):
+    table, bias = rows
+    row_max, row_sum, positive_count = carry
+    logits = tile_logits(hidden, slice_rows(table, start, size), slice_rows(bias, start, size))
+    masked = _softmax_mask(exclude_ids, valid_rows, num_tokens, start, size)
+    if with_counts:
+      above = logits > 0
+      if valid_rows is not None:
+        above = above & (start + jnp.arange(size, dtype=jnp.int32) < valid_rows)[None, :]
+      positive_count = positive_count + jnp.sum(above, axis=-1, dtype=jnp.int32)
+    if masked is not None:
+      logits = jnp.where(masked, -jnp.inf, logits)
+    new_max = jnp.maximum(row_max, jnp.max(logits, axis=-1))
+    row_sum = (row_sum * jnp.exp(row_max - new_max)
+               + jnp.sum(jnp.exp(logits - new_max[:, None]), axis=-1))
+    return new_max, row_sum, positive_count
+
+  init = (
+      jnp.full((num_tokens,), SOFTMAX_FLOOR, jnp.float32),
+      jnp.zeros((num_tokens,), jnp.float32),
+      jnp.zeros((num_tokens,), jnp.int32) if with_counts else None,
+  )
+  return walk_tiles(num_items, plan.block_v, step, init, (table, bias))
+
+
+@functools.partial(jax.named_call, name="cutbce_xla_softmax_backward")
+def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad, bias_grad, *,
+                     plan: TilePlan | None, num_items: int | None = None, valid_rows=None):
+  compute_dtype = jnp.result_type(hidden.dtype, table.dtype)
+  num_tokens = hidden.shape[0]
+  num_items = table.shape[0] if num_items is None else num_items
+  plan = _plan(plan, "backward", hidden, num_items)
+
+  def step(carry, rows, start, size):
+    table, bias = rows
+    hidden_grad, table_grad, bias_grad = carry
+    table_tile = slice_rows(table, start, size)
+    logits = tile_logits(hidden, table_tile, slice_rows(bias, start, size))
+    masked = _softmax_mask(exclude_ids, valid_rows, num_tokens, start, size)
+    if masked is not None:
+      logits = jnp.where(masked, -jnp.inf, logits)
+    logit_grad = scale[:, None] * jnp.exp(logits - log_z[:, None])  # [T, block_v] f32
+    logit_grad_c = logit_grad.astype(compute_dtype)
+    hidden_grad = hidden_grad + lax.dot_general(
+        logit_grad_c, table_tile, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    tile_grad = lax.dot_general(
+        logit_grad_c, hidden, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    table_grad = _update_rows(table_grad, slice_rows(table_grad, start, size) + tile_grad, start)
+    if bias_grad is not None:
+      bias_grad = _update_rows(
+          bias_grad, slice_rows(bias_grad, start, size) + jnp.sum(logit_grad, axis=0), start)
+    return hidden_grad, table_grad, bias_grad
+
+  init = (jnp.zeros(hidden.shape, jnp.float32), table_grad, bias_grad)
+  return walk_tiles(num_items, plan.block_v, step, init, (table, bias))

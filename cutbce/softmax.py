@@ -1,0 +1,338 @@
+"""`cut_softmax_ce`: exact full-catalog softmax cross-entropy, tiled like `cut_bce`.
+
+With x_tv = h_t . e_v (+ b_v), P_t the valid deduplicated targets of position
+t, X_t its excluded ids that are not targets and S_t the softmax's items (rows
+< num_items, not in X_t; targets always in), each target is one softmax
+cross-entropy term against the whole catalog:
+
+    l_t = sum_{p in P_t} [(1 - e) (lse_t - x_tp) + e (lse_t - mean_{v in S_t} x_tv)]
+        = k_t lse_t - (1 - e) r_t sum_p x_tp - e k_t mean_S x_t
+
+with lse_t = log sum_{v in S_t} exp(x_tv), e the label smoothing (the target
+distribution (1 - e) one-hot + e uniform over S_t), and (k_t, r_t) = (n_t, 1)
+for `target_reduction="sum"` or ([n_t > 0], 1 / n_t) for "mean", n_t = |P_t|.
+A position without a valid target has l_t = 0.
+
+The dense part is a running (max, sum of exponentials) per token over the
+vocabulary tiles (`softmax_forward` of a kernel set: excluded ids and padding
+rows masked inside the tile, never subtracted afterwards, so no cancellation
+when excluded items hold most of the mass); the target and smoothing parts
+are sparse or O(D) per token. Gradient of l_t w.r.t. x_tv:
+
+    k_t p_tv - (1 - e) r_t [v in P_t] - e k_t [v in S_t] / |S_t|,   p_tv = exp(x_tv - lse_t)
+
+The backward recomputes each logit tile (`softmax_backward`: 3 GEMMs per tile)
+from the residual lse_t; the rest is a sparse scatter at the targets and
+excluded ids and the O(D) uniform part. Unlike BCE there is no one-pass form:
+p_tv needs lse_t, known only after the whole sweep, so the loss with its
+gradients costs 4 GEMMs per tile (BCE's one pass: 3).
+
+The functions below work on flat `[T, D]` tokens against one table (or one
+vocabulary shard of it: `cutbce.sharding` runs them per device and combines
+the (max, sum) pairs and the linear partials across shards).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from cutbce import inputs, reference, sparse
+from cutbce.kernels.tiling import TilePlan
+
+TARGET_REDUCTIONS = ("sum", "mean")
+# Kernel sets with the softmax entry points (`softmax_forward`, `softmax_backward`).
+SOFTMAX_BACKENDS = ("xla",)
+
+
+class SoftmaxCall(NamedTuple):
+  """Everything static one tiled softmax call is traced with (hashable).
+
+  Attributes:
+    backend: a kernel set with the softmax entry points ("xla").
+    plan: a `TilePlan`, or None for the kernel's own plan.
+    with_counts: also return per-token confusion counts (logit > 0).
+    label_smoothing: e in [0, 1].
+    target_reduction: "sum" or "mean" over a position's targets.
+    num_items: rows of the (local) table that may be items (static, <= V).
+    catalog: the whole catalog's item count (|S_t| = catalog - |X_t|).
+  """
+
+  backend: str
+  plan: TilePlan | None
+  with_counts: bool
+  label_smoothing: float
+  target_reduction: str
+  num_items: int
+  catalog: int
+
+  @property
+  def kernels(self):
+    from cutbce import api  # pylint: disable=g-import-not-at-top  (api imports sparse, tiled)
+    return api.kernel_module(self.backend)
+
+
+class Coefficients(NamedTuple):
+  """Per-token f32 `[T]` factors of l_t, from the global ids.
+
+  Attributes:
+    lse: k_t, the factor of lse_t (n_t, or 1 when averaging over targets).
+    target: (1 - e) r_t, minus the factor of sum_p x_tp.
+    uniform: e k_t / |S_t|, minus the factor of sum_{v in S_t} x_tv.
+  """
+
+  lse: jax.Array
+  target: jax.Array
+  uniform: jax.Array
+
+
+def coefficients(call: SoftmaxCall, global_ids: sparse.SparseIds) -> Coefficients:
+  """The factors of every position's loss, from the (global) deduplicated ids."""
+  count = jnp.sum(global_ids.target_mask, axis=-1).astype(jnp.float32)  # n_t
+  if call.target_reduction == "sum":
+    k, r = count, jnp.ones_like(count)
+  else:
+    k = (count > 0).astype(jnp.float32)
+    r = jnp.where(count > 0, 1.0 / jnp.maximum(count, 1.0), 0.0)
+  uniform = jnp.zeros_like(count)
+  if call.label_smoothing:
+    excluded = 0.0
+    if global_ids.exclude_mask is not None:
+      excluded = jnp.sum(global_ids.exclude_mask, axis=-1).astype(jnp.float32)
+    uniform = call.label_smoothing * k / (call.catalog - excluded)
+  return Coefficients(k, (1.0 - call.label_smoothing) * r, uniform)
+
+
+def _exclude_or_none(ids: sparse.SparseIds):
+  """`[T, E]` int32 excluded ids with -1 where there is none (the kernels' form), or None."""
+  if ids.exclude_ids is None:
+    return None
+  return jnp.where(ids.exclude_mask, ids.exclude_ids, -1)
+
+
+def _item_rows(table, num_items: int, valid_rows):
+  """`[V]` bool: the table rows that are items (< num_items, < valid_rows)."""
+  rows = jnp.arange(table.shape[0], dtype=jnp.int32)
+  items = rows < num_items
+  if valid_rows is not None:
+    items = items & (rows < valid_rows)
+  return items
+
+
+def _item_sums(table, bias, items):
+  """(sum over item rows of e_v `[D]` f32, of b_v f32 or 0)."""
+  table_sum = jnp.sum(jnp.where(items[:, None], table.astype(jnp.float32), 0.0), axis=0)
+  bias_sum = 0.0 if bias is None else jnp.sum(jnp.where(items, bias.astype(jnp.float32), 0.0))
+  return table_sum, bias_sum
+
+
+class LocalForward(NamedTuple):
+  """One table's (or vocabulary shard's) part of the forward, all `[T]`.
+
+  Attributes:
+    row_max, row_sum: the running (max, sum exp(x - max)) over its items.
+    linear: its part of -(1 - e) r_t sum_p x_tp - e k_t/|S_t| sum_S x_tv.
+    positive_count: int32 #{x_tv > 0} over its items (excluded ids in), or None.
+    logits: the sparse logits at the ids it owns (for the counts).
+  """
+
+  row_max: jax.Array
+  row_sum: jax.Array
+  linear: jax.Array
+  positive_count: jax.Array | None
+  logits: sparse.SparseLogits
+
+
+def local_forward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds,
+                  coeffs: Coefficients, valid_rows=None) -> LocalForward:
+  """The dense sweep and the sparse parts of the loss over this table's rows.
+
+  `ids` point into this table (a shard's rebased ids: others' masked out).
+  """
+  row_max, row_sum, positive_count = call.kernels.softmax_forward(
+      hidden, table, bias, _exclude_or_none(ids), plan=call.plan,
+      with_counts=call.with_counts, num_items=call.num_items, valid_rows=valid_rows)
+  logits = sparse.sparse_logits(hidden, table, bias, ids)
+  linear = -coeffs.target * jnp.sum(jnp.where(ids.target_mask, logits.target, 0.0), axis=-1)
+  if call.label_smoothing:
+    table_sum, bias_sum = _item_sums(table, bias, _item_rows(table, call.num_items, valid_rows))
+    item_logits = jnp.dot(hidden.astype(jnp.float32), table_sum) + bias_sum  # sum_v x_tv
+    if ids.exclude_mask is not None:
+      item_logits = item_logits - jnp.sum(
+          jnp.where(ids.exclude_mask, logits.exclude, 0.0), axis=-1)
+    linear = linear - coeffs.uniform * item_logits
+  return LocalForward(row_max, row_sum, linear, positive_count, logits)
+
+
+def log_partition(row_max, row_sum):
+  """lse_t = row_max + log(row_sum); +inf for a token with no item (its gradient is 0)."""
+  return jnp.where(row_sum > 0, row_max + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)),
+                   jnp.inf)
+
+
+def per_token_losses(coeffs: Coefficients, lse, linear):
+  """l_t = k_t lse_t + linear_t (0 where k_t = 0, whatever lse_t is)."""
+  return jnp.where(coeffs.lse > 0, coeffs.lse * lse, 0.0) + linear
+
+
+def local_backward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds,
+                   coeffs: Coefficients, lse, scale, valid_rows=None):
+  """float32 (dh, dE, db) of sum_t scale_t l_t through this table's rows."""
+  g = scale.astype(jnp.float32)
+  all_ids, sparse_coefficients = ids.target_ids, jnp.where(
+      ids.target_mask, -(g * coeffs.target)[:, None], 0.0)
+  if call.label_smoothing and ids.exclude_mask is not None:
+    # The uniform part covers every item; excluded ids are given back here.
+    all_ids = jnp.concatenate([all_ids, ids.exclude_ids], axis=-1)
+    sparse_coefficients = jnp.concatenate(
+        [sparse_coefficients,
+         jnp.where(ids.exclude_mask, (g * coeffs.uniform)[:, None], 0.0)], axis=-1)
+  hidden_grad, table_grad, bias_grad = sparse.sparse_grads(
+      hidden, table, bias is not None, all_ids, sparse_coefficients)
+  dense_hidden_grad, table_grad, bias_grad = call.kernels.softmax_backward(
+      hidden, table, bias, _exclude_or_none(ids), lse, g * coeffs.lse, table_grad, bias_grad,
+      plan=call.plan, num_items=call.num_items, valid_rows=valid_rows)
+  hidden_grad = hidden_grad + dense_hidden_grad
+  if call.label_smoothing:
+    items = _item_rows(table, call.num_items, valid_rows)
+    uniform = g * coeffs.uniform  # [T]
+    table_sum, _ = _item_sums(table, None, items)
+    hidden_grad = hidden_grad - uniform[:, None] * table_sum[None, :]
+    weighted_hidden = jnp.dot(uniform, hidden.astype(jnp.float32))  # [D]
+    table_grad = table_grad - jnp.where(items[:, None], weighted_hidden, 0.0)
+    if bias_grad is not None:
+      bias_grad = bias_grad - jnp.where(items, jnp.sum(uniform), 0.0)
+  return hidden_grad, table_grad, bias_grad
+
+
+def _cast_grads(grads, hidden, table, bias):
+  hidden_grad, table_grad, bias_grad = grads
+  return (hidden_grad.astype(hidden.dtype), table_grad.astype(table.dtype),
+          None if bias is None else bias_grad.astype(bias.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _per_token(call: SoftmaxCall, hidden, table, bias, ids):
+  """(`[T]` float32 l_t, per-token counts or None) on one table."""
+  return _forward(call, hidden, table, bias, ids)[0]
+
+
+def _forward(call: SoftmaxCall, hidden, table, bias, ids):
+  coeffs = coefficients(call, ids)
+  local = local_forward(call, hidden, table, bias, ids, coeffs)
+  lse = log_partition(local.row_max, local.row_sum)
+  per_token = per_token_losses(coeffs, lse, local.linear)
+  counts = None
+  if call.with_counts:
+    counts = sparse.token_counts(ids, local.logits, local.positive_count, call.num_items)
+  return (per_token, counts), lse
+
+
+def _per_token_fwd(call: SoftmaxCall, hidden, table, bias, ids):
+  out, lse = _forward(call, hidden, table, bias, ids)
+  # Residuals: the inputs and lse_t [T]; the backward recomputes every tile.
+  return out, (hidden, table, bias, ids, lse)
+
+
+def _per_token_bwd(call: SoftmaxCall, residuals, cotangents):
+  hidden, table, bias, ids, lse = residuals
+  coeffs = coefficients(call, ids)
+  grads = local_backward(call, hidden, table, bias, ids, coeffs, lse, cotangents[0])
+  return _cast_grads(grads, hidden, table, bias) + (None,)
+
+
+_per_token.defvjp(_per_token_fwd, _per_token_bwd)
+
+
+def softmax_backend(backend: str, flat: inputs.Flat | None = None, plan=None) -> str:
+  """The backend a softmax call runs: "dense", or a kernel set with softmax kernels.
+
+  "auto", "pallas_tpu" and any set without the softmax entry points run the
+  XLA path (the Pallas kernels have no softmax variant yet; the XLA path is
+  what "auto" picks for them, on every platform).
+  """
+  from cutbce import api  # pylint: disable=g-import-not-at-top
+  inputs.check_choice("backend", backend, api.BACKEND_CHOICES)
+  del flat, plan
+  if backend == "dense":
+    return "dense"
+  return backend if backend in SOFTMAX_BACKENDS else "xla"
+
+
+def check_options(target_reduction, label_smoothing):
+  """Validates the softmax's own options; returns label_smoothing as a float."""
+  inputs.check_choice("target_reduction", target_reduction, TARGET_REDUCTIONS)
+  if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+    raise TypeError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+  if not 0.0 <= label_smoothing <= 1.0:
+    raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+  return float(label_smoothing)
+
+
+def cut_softmax_ce(hidden, table, targets, weights=None, *, bias=None, exclude=None,
+                   num_items=None, reduction="mean", label_smoothing=0.0,
+                   target_reduction="sum", return_stats=False, backend="auto", plan=None):
+  """Full-catalog softmax cross-entropy with several targets per position, no `[T, V]` logits.
+
+  Position t's loss, with lse_t the log-sum-exp of its logits over the
+  softmax's items S_t (rows < num_items, minus excluded ids that are not
+  targets), P_t its valid deduplicated targets and e the label smoothing:
+
+      l_t = sum_{p in P_t} [(1 - e) (lse_t - x_tp) + e (lse_t - mean_{v in S_t} x_tv)]
+
+  (`target_reduction="sum"`, the default: each target is one softmax
+  cross-entropy term, as SASRec's and the trainer's dense baseline sum them,
+  so a position with more targets weighs more, as in `cut_bce`; "mean"
+  divides l_t by |P_t|). A position with no valid target contributes 0.
+  Same input contract as `cut_bce`: padding ids, a repeated id counted once,
+  weight-0 positions dropped, rows at or past `num_items` never in the
+  softmax. Accumulation is float32; logits of any finite size are safe (the
+  log-sum-exp is shifted by each token's running max).
+
+  Args:
+    hidden, table, targets, weights, bias, exclude, num_items, plan: as in
+      `cut_bce`.
+    reduction: "mean" (sum_t w_t l_t / sum_t w_t), "sum", or "none".
+    label_smoothing: e in [0, 1].
+    target_reduction: "sum" or "mean" over a position's targets.
+    return_stats: also return `cutbce.Stats`, the weighted confusion counts
+      at logit > 0 as `cut_bce` defines them.
+    backend: "auto" and "xla" (the tiled XLA path, on every platform: the
+      Pallas kernels have no softmax variant yet, so "pallas_tpu" runs it
+      too), or "dense" (`cutbce.dense_softmax_ce`, the materializing
+      reference).
+
+  Returns:
+    float32 loss (scalar, or `[...]` for reduction="none"); with
+    `return_stats`, `(loss, stats)`.
+
+  Example:
+    >>> import jax.numpy as jnp, cutbce
+    >>> hidden = jnp.zeros((1, 2, 4)); table = jnp.ones((8, 4))
+    >>> # Equal logits: each target costs log 8.
+    >>> round(float(cutbce.cut_softmax_ce(hidden, table, jnp.array([[[1, 2], [3, -1]]]),
+    ...                                   reduction="sum")), 4)
+    6.2383
+  """
+  inputs.check_choice("reduction", reduction, inputs.REDUCTIONS)
+  inputs.check_plan(plan)
+  label_smoothing = check_options(target_reduction, label_smoothing)
+  flat = inputs.flatten_inputs(hidden, table, targets, weights, bias, exclude)
+  num_items = inputs.check_num_items(num_items, flat.table.shape[0])
+  backend = softmax_backend(backend, flat, plan)
+  if backend == "dense":
+    return reference.dense_softmax_ce(
+        hidden, table, targets, weights, bias=bias, exclude=exclude, num_items=num_items,
+        reduction=reduction, label_smoothing=label_smoothing,
+        target_reduction=target_reduction, return_stats=return_stats)
+  ids = sparse.prepare_ids(flat.targets, flat.exclude, num_items)
+  call = SoftmaxCall(backend, plan, bool(return_stats), label_smoothing, target_reduction,
+                     num_items, num_items)
+  per_token, counts = _per_token(call, flat.hidden, flat.table, flat.bias, ids)
+  loss = inputs.reduce_weighted(per_token, flat.weights, reduction, 1, flat.leading_shape)
+  if not return_stats:
+    return loss
+  return loss, inputs.weighted_stats(counts, flat.weights)
