@@ -30,11 +30,15 @@ _LOG = logging.getLogger("cutbce")
 # "dense" is the materializing reference and takes no kernel set. "auto"
 # resolves (`resolve_backend`) to "pallas_tpu" on a TPU host, to the "auto"
 # kernel set (Pallas when lowered for TPU, XLA otherwise) where the Pallas
-# kernels take the inputs, and to "xla" where they do not.
+# kernels take the inputs, and to "xla" where they do not. "auto" never picks
+# "pallas_gpu" (Triton when lowered for CUDA, Pallas' interpreter elsewhere):
+# on a GPU it stays on the XLA path until a run on a GPU shows the fused
+# kernels faster (docs/kernels.md, "Pallas GPU kernels").
 BACKENDS: types.MappingProxyType = types.MappingProxyType({
     "auto": "cutbce.kernels.auto",
     "xla": "cutbce.kernels.xla",
     "pallas_tpu": "cutbce.kernels.tpu",
+    "pallas_gpu": "cutbce.kernels.gpu",
     "dense": None,
 })
 BACKEND_CHOICES = tuple(BACKENDS)

@@ -1,0 +1,20 @@
+"""Kernel set of `backend="pallas_gpu"`: fused Pallas GPU (Triton) kernels.
+
+Honours the backend contract written in `cutbce/kernels/xla.py` (forward,
+backward, forward_backward, rank_counts, default_plan, unsupported_reason).
+`kernels` holds the Pallas kernels, `plan` the tile planner (from the
+device's description), `targets` the NVIDIA target configs they are compiled
+for without a GPU. Design and compiled memory: docs/kernels.md.
+"""
+
+from cutbce.kernels.gpu.kernels import (  # noqa: F401
+    SUPPORTED_DTYPES,
+    backward,
+    default_plan,
+    forward,
+    forward_backward,
+    plan_problem,
+    rank_counts,
+    unsupported_reason,
+)
+from cutbce.kernels.gpu.plan import target_gpu  # noqa: F401
