@@ -9,7 +9,8 @@ What is read:
 
 * ``path``: a file, a folder (every data file below it, recursively; names
   starting with ``.`` or ``_`` are skipped) or a glob (``data/*.parquet``,
-  ``logs/**/*.csv``). Several files are one table, concatenated in sorted path
+  ``logs/**/*.csv``), local or a URL of any fsspec file system
+  (``gs://bucket/logs/*.parquet``, read through ``gcsfs``). Several files are one table, concatenated in sorted path
   order, so events with equal times keep that order.
 * Formats, by file name: ``.parquet`` / ``.pq``; ``.csv``; ``.tsv`` / ``.tab``
   (tab-separated); ``.jsonl`` / ``.ndjson`` / ``.json`` (JSON lines: one
@@ -55,6 +56,7 @@ import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -62,6 +64,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
+from trainer import paths
 from trainer.data import sources
 from trainer.data.sources import DataError, DataTypeError
 
@@ -170,6 +173,8 @@ def resolve_files(path: str | os.PathLike) -> list[pathlib.Path]:
     FileNotFoundError: nothing matches, or a folder holds no data file.
     ValueError: a named file of an unknown format.
   """
+  if paths.is_remote(path):
+    return _resolve_remote(os.fspath(path))
   text = os.path.expanduser(os.fspath(path))
   if os.path.isfile(text):
     matches = [text]
@@ -208,6 +213,62 @@ def resolve_files(path: str | os.PathLike) -> list[pathlib.Path]:
   return sorted(set(files))
 
 
+def _hidden(relative: str) -> bool:
+  return any(part.startswith((".", "_")) for part in relative.split("/") if part)
+
+
+def _resolve_remote(url: str) -> list[str]:
+  """:func:`resolve_files` for a URL (``gs://...``): the same rules through fsspec."""
+  fs, root = fsspec.core.url_to_fs(url)
+  protocol = url.split("://", 1)[0]
+
+  def as_url(found: str) -> str:
+    return f"{protocol}://{found.split('://', 1)[-1]}"
+
+  if fs.isfile(root):
+    matches = [root]
+  elif fs.isdir(root):
+    base = root.rstrip("/")
+    found = [p for p in fs.find(base) if file_format(p) and not _hidden(p[len(base):])]
+    if not found:
+      raise FileNotFoundError(
+          f"folder {url} holds no data files; expected {_KINDS} files ({', '.join(FORMATS)})")
+    return sorted(as_url(p) for p in found)
+  elif glob.has_magic(root):
+    matches = sorted(fs.glob(root))
+    if not matches:
+      raise FileNotFoundError(
+          f"path {url!r} matches no files; expected a file, a folder or a glob matching "
+          f"{_KINDS} files")
+  else:
+    raise FileNotFoundError(
+        f"{url} does not exist; expected a file, a folder or a glob of {_KINDS} files")
+  files = []
+  for match in matches:
+    if os.path.basename(match.rstrip("/")).startswith((".", "_")):
+      continue
+    if fs.isdir(match):
+      files += [p for p in fs.find(match) if file_format(p) and not _hidden(p[len(match):])]
+    elif file_format(match) is None:
+      raise DataError(
+          f"{as_url(match)}: unknown file format; expected a name ending in "
+          f"{', '.join(FORMATS)} (text formats optionally + {', '.join(COMPRESSIONS)})")
+    else:
+      files.append(match)
+  if not files:
+    raise FileNotFoundError(f"path {url!r} matches no data files ({_KINDS})")
+  return sorted({as_url(p) for p in files})
+
+
+def open_source(file: str | os.PathLike):
+  """What pyarrow reads ``file`` from: the local path, or an open fsspec file for a URL
+  (text formats decompressed by their suffix, as pyarrow does for a path)."""
+  if not paths.is_remote(file):
+    return os.fspath(file)
+  compression = "infer" if file_format(file) != "parquet" else None
+  return fsspec.open(os.fspath(file), "rb", compression=compression).open()
+
+
 # --------------------------------------------------------------------------- #
 # Reading one file                                                             #
 # --------------------------------------------------------------------------- #
@@ -230,17 +291,19 @@ def read_file(file: str | os.PathLike, columns: Sequence[str]) -> pa.Table:
   kind = file_format(file)
   try:
     if kind == "parquet":
-      _check_columns(pq.read_schema(file).names, file, columns)
-      return pq.read_table(file, columns=list(columns))
+      parquet = pq.ParquetFile(open_source(file))
+      _check_columns(parquet.schema_arrow.names, file, columns)
+      return parquet.read(columns=list(columns))
     if kind in ("csv", "tsv"):
       parse = pa_csv.ParseOptions(delimiter="," if kind == "csv" else "\t")
-      with pa_csv.open_csv(file, parse_options=parse) as reader:
+      with pa_csv.open_csv(open_source(file), parse_options=parse) as reader:
         _check_columns(reader.schema.names, file, columns)
-      return pa_csv.read_csv(file, parse_options=parse, convert_options=pa_csv.ConvertOptions(
+      return pa_csv.read_csv(open_source(file), parse_options=parse,
+                             convert_options=pa_csv.ConvertOptions(
           include_columns=list(columns), column_types={c: pa.string() for c in columns},
           strings_can_be_null=True, null_values=[""]))
     if kind == "json":
-      table = pa_json.read_json(file)
+      table = pa_json.read_json(open_source(file))
       _check_columns(table.column_names, file, columns)
       return table.select(list(columns))
   except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as error:
@@ -435,6 +498,50 @@ def _ids_and_vocab(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray | No
   return codes, np.asarray(vocab.to_numpy(zero_copy_only=False), dtype=str)
 
 
+class FileScan(NamedTuple):
+  """What to read: the files and how (the arguments of :func:`read_interactions`).
+
+  Both preparation paths take it: :func:`read_interactions` (in memory) and
+  :mod:`trainer.data.engine` (out of core).
+  """
+
+  files: list
+  user_col: str
+  item_col: str
+  time_col: str
+  filter: str | None = None
+  time_unit: str = "s"
+  filter_keeps_null: bool = False
+  name: str = ""
+
+
+def check_scan(scan: FileScan) -> Filter | None:
+  """Checks the options of ``scan`` and returns its parsed filter (or None).
+
+  Raises:
+    ValueError: an unknown ``time_unit``, a column that is not a name, a
+      malformed ``filter``.
+  """
+  if scan.time_unit not in TIME_UNITS:
+    raise ValueError(f"time_unit {scan.time_unit!r} is unknown; expected one of {TIME_UNITS}")
+  for label, column in (("user_col", scan.user_col), ("item_col", scan.item_col),
+                        ("time_col", scan.time_col)):
+    if not isinstance(column, str) or not column:
+      raise ValueError(f"{label}={column!r}: expected a column name")
+  return parse_filter(scan.filter) if scan.filter is not None else None
+
+
+def scan_columns(scan: FileScan, condition: Filter | None) -> list[str]:
+  """The columns read: user, item, time and the filter's."""
+  return list(dict.fromkeys([scan.user_col, scan.item_col, scan.time_col]
+                            + ([condition.column] if condition else [])))
+
+
+def describe_files(files: Sequence) -> str:
+  """``a.csv`` or ``3 files (a.csv, ...)``, for messages."""
+  return str(files[0]) if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+
+
 def read_interactions(  # pylint: disable=redefined-builtin
     files: Sequence[str | os.PathLike], *, user_col: str, item_col: str, time_col: str,
     filter: str | None = None, time_unit: str = "s", filter_keeps_null: bool = False,
@@ -455,14 +562,10 @@ def read_interactions(  # pylint: disable=redefined-builtin
   Raises:
     DataError, DataTypeError, ValueError: see :func:`load_files`.
   """
-  if time_unit not in TIME_UNITS:
-    raise ValueError(f"time_unit {time_unit!r} is unknown; expected one of {TIME_UNITS}")
-  for label, column in (("user_col", user_col), ("item_col", item_col), ("time_col", time_col)):
-    if not isinstance(column, str) or not column:
-      raise ValueError(f"{label}={column!r}: expected a column name")
-  condition = parse_filter(filter) if filter is not None else None
-  columns = list(dict.fromkeys(
-      [user_col, item_col, time_col] + ([condition.column] if condition else [])))
+  scan = FileScan(list(files), user_col, item_col, time_col, filter, time_unit,
+                  filter_keeps_null, name)
+  condition = check_scan(scan)
+  columns = scan_columns(scan, condition)
   users, items, times = [], [], []
   rows = 0
   for file in files:
@@ -474,7 +577,7 @@ def read_interactions(  # pylint: disable=redefined-builtin
     users.append(id_column(table[user_col], file, user_col, "user", from_text=from_text))
     items.append(id_column(table[item_col], file, item_col, "item", from_text=from_text))
     times.append(time_column(table[time_col], file, time_col, time_unit))
-  where = str(files[0]) if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+  where = describe_files(files)
   if rows == 0:
     raise DataError(f"{where} has no rows; expected at least one interaction")
   timestamp = np.concatenate(times).astype(np.int64, copy=False)
@@ -486,6 +589,21 @@ def read_interactions(  # pylint: disable=redefined-builtin
   item, item_vocab = _ids_and_vocab(_unify_ids(items))
   return sources.Interactions(user=user, item=item, timestamp=timestamp, name=name,
                               user_vocab=user_vocab, item_vocab=item_vocab)
+
+
+def scan_files(path: str | os.PathLike, user_col: str, item_col: str, time_col: str,
+               filter: str | None = None,  # pylint: disable=redefined-builtin
+               time_unit: str = "s") -> FileScan:
+  """The :class:`FileScan` of the ``files`` source (arguments of :func:`load_files`).
+
+  Raises:
+    FileNotFoundError: ``path`` matches no data file.
+    ValueError: a malformed ``filter`` or unknown ``time_unit``.
+  """
+  scan = FileScan(resolve_files(path), user_col, item_col, time_col, filter, time_unit,
+                  name=f"files:{os.fspath(path)}")
+  check_scan(scan)
+  return scan
 
 
 def load_files(path: str | os.PathLike, user_col: str, item_col: str, time_col: str,

@@ -9,6 +9,13 @@ Training (:func:`train_dataset`, :func:`train_iterator`)::
     .batch(batch_size, drop_remainder=True)   per-process batch of window ids
     .map(build the batch)        vectorized gather, see trainer.data.windows
 
+With the event arrays cut into S > 1 user shards
+(:attr:`~trainer.data.storage.PreparedDataset.num_shards`), the stream is a
+round robin over the shards instead: element k is the next window of shard
+``k % S``, each shard's windows shuffled (its own seed) and repeated. The
+stream depends on S and the seed, never on P; when P divides S, process p
+reads only shards ``p, p + P, ...`` (and opens only their files).
+
 Element k of the repeated, shuffled stream goes to process ``k % P``, so the
 per-process batch b of process p holds global elements ``p, p + P, ...`` of
 global batch b: the P processes' batches are exactly the single-process batch
@@ -28,6 +35,8 @@ targets and exclude padded with -1). :func:`to_global_arrays` makes them global
 from __future__ import annotations
 
 from collections.abc import Mapping
+
+import sys
 
 import grain
 import jax
@@ -70,6 +79,46 @@ class _TrainBatch:
         num_items=self._data.num_items)
 
 
+class _ShardRoundRobin(grain.MapDataset):
+  """Window ids: element k is element ``k // S`` of shard ``k % S``'s stream.
+
+  Each shard's stream is its window ids ``[start_s, stop_s)`` shuffled with
+  the shard's seed and repeated forever; with ``num_epochs`` the stream ends
+  after ``num_epochs * W`` elements (every shard has taken about
+  ``num_epochs`` passes).
+  """
+
+  def __init__(self, bounds: list[tuple[int, int]], *, seed: int, num_epochs: int | None):
+    super().__init__()
+    self._streams = [
+        grain.MapDataset.range(start, stop).shuffle(
+            seed=int(np.random.SeedSequence((seed, shard)).generate_state(1)[0])).repeat(None)
+        for shard, (start, stop) in enumerate(bounds)]
+    total = sum(stop - start for start, stop in bounds)
+    self._length = sys.maxsize if num_epochs is None else total * int(num_epochs)
+
+  def __len__(self) -> int:
+    return self._length
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return self.slice(index)
+    count = len(self._streams)
+    return self._streams[index % count][index // count]
+
+  def __str__(self) -> str:
+    return f"ShardRoundRobin(shards={len(self._streams)})"
+
+
+def _shard_window_bounds(data: PreparedDataset, seq_len: int) -> list[tuple[int, int]]:
+  """Per user shard with training windows: its range of (user-major) window ids."""
+  per_user = windows.num_windows_per_user(data.train_lengths, seq_len)
+  first = np.concatenate([[0], np.cumsum(per_user)])
+  users = data.shard_users
+  bounds = [(int(first[a]), int(first[b])) for a, b in zip(users[:-1], users[1:])]
+  return [(start, stop) for start, stop in bounds if stop > start]
+
+
 def train_dataset(data: PreparedDataset, *, seq_len: int, num_targets: int,
                   batch_size: int, seed: int, num_epochs: int | None = None,
                   process_index: int | None = None,
@@ -102,8 +151,12 @@ def train_dataset(data: PreparedDataset, *, seq_len: int, num_targets: int,
   if len(make_batch) == 0:
     raise ValueError(f"{data.path} has no training window: no user has 2 or "
                      "more training events; expected at least one")
-  dataset = grain.MapDataset.range(len(make_batch)).shuffle(seed=seed)
-  dataset = dataset.repeat(num_epochs)[index::count]
+  if data.num_shards > 1:
+    dataset = _ShardRoundRobin(_shard_window_bounds(data, seq_len), seed=seed,
+                               num_epochs=num_epochs)[index::count]
+  else:
+    dataset = grain.MapDataset.range(len(make_batch)).shuffle(seed=seed)
+    dataset = dataset.repeat(num_epochs)[index::count]
   return dataset.batch(batch_size, drop_remainder=True).map(make_batch)
 
 

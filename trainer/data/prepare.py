@@ -39,6 +39,19 @@ DEFAULT_MIN_ITEM_COUNT: Mapping[str, int] = _OneUnlessListed({
 # Source options that say where raw data is cached, not what it is: recorded
 # in the manifest, never a reason to prepare again.
 CACHE_OPTIONS = frozenset({"cache_dir"})
+# How a dataset is prepared: "memory" (numpy, everything in RAM), "duckdb"
+# (out of core, trainer.data.engine; file sources only), "auto" (duckdb for
+# the file sources, memory for the others). Every engine writes the same folder.
+ENGINES = ("auto", "memory", "duckdb")
+
+
+def _scan(dataset: str, source_options: Mapping):
+  """The FileScan of a file source, or None for a source read in memory."""
+  from trainer.data import files, yambda  # pylint: disable=import-outside-toplevel
+  scans = {"files": files.scan_files, "yambda": yambda.scan_yambda}
+  if dataset not in scans:
+    return None
+  return scans[dataset](**source_options)
 
 
 def default_min_item_count(dataset: str) -> int:
@@ -252,7 +265,9 @@ def prepare_dataset(dataset: str, out: str | os.PathLike, *,
                     min_user_count: int = 1, split: str = "loo",
                     split_options: Mapping | None = None,
                     source_options: Mapping | None = None,
-                    seq_lens: tuple[int, ...] = (200,)) -> dict:
+                    seq_lens: tuple[int, ...] = (200,), num_shards: int = 1,
+                    engine: str = "auto", memory_limit: str | int | None = None,
+                    temp_dir: str | os.PathLike | None = None) -> dict:
   """Prepares a dataset into ``out`` and returns its manifest.
 
   Any manifest already in ``out`` is removed first, so a failure at any step
@@ -271,6 +286,16 @@ def prepare_dataset(dataset: str, out: str | os.PathLike, *,
       completed with the loader's defaults.
     seq_lens: training window lengths N whose window counts go in the
       manifest (``train_windows``).
+    num_shards: S, the event arrays cut by user into S shard files (see
+      :mod:`trainer.data.storage`); 1 (default) writes one file each.
+    engine: one of :data:`ENGINES`. ``"duckdb"`` (what ``"auto"`` picks for
+      the ``files`` and ``yambda`` sources) prepares out of core under
+      ``memory_limit`` (:mod:`trainer.data.engine`); ``"memory"`` holds
+      every event in RAM. Both write the same bytes.
+    memory_limit: the out-of-core engine's limit (``"4GB"``; None: half of
+      the machine's RAM). Ignored in memory.
+    temp_dir: local folder for the engine's spill files (None: the system's
+      temporary folder).
 
   Returns:
     The manifest written to ``out/manifest.json``: counts, and every option
@@ -283,13 +308,24 @@ def prepare_dataset(dataset: str, out: str | os.PathLike, *,
   storage.remove_manifest(out)
   loader = sources.get_source(dataset)
   _check_options(split, seq_lens)
+  if engine not in ENGINES:
+    raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
   if min_item_count is None:
     min_item_count = default_min_item_count(dataset)
+  options = dict(min_item_count=min_item_count, min_user_count=min_user_count, split=split,
+                 split_options=split_options,
+                 source_options=full_source_options(dataset, source_options),
+                 seq_lens=seq_lens, num_shards=num_shards)
+  scan = _scan(dataset, dict(source_options or {})) if engine != "memory" else None
+  if engine == "duckdb" and scan is None:
+    raise ValueError(f"engine 'duckdb' prepares the files and yambda sources, not "
+                     f"{dataset!r}; expected engine 'memory' or 'auto'")
+  if scan is not None:
+    from trainer.data import engine as engine_lib  # pylint: disable=import-outside-toplevel
+    return engine_lib.prepare_scan(scan, out, dataset=dataset, memory_limit=memory_limit,
+                                   temp_dir=temp_dir, **options)
   raw = loader(**dict(source_options or {}))
-  return prepare_interactions(
-      raw, out, dataset=dataset, min_item_count=min_item_count,
-      min_user_count=min_user_count, split=split, split_options=split_options,
-      source_options=full_source_options(dataset, source_options), seq_lens=seq_lens)
+  return prepare_interactions(raw, out, dataset=dataset, **options)
 
 
 def prepare_interactions(raw: sources.Interactions, out: str | os.PathLike, *,
@@ -297,15 +333,15 @@ def prepare_interactions(raw: sources.Interactions, out: str | os.PathLike, *,
                          min_user_count: int = 1, split: str = "loo",
                          split_options: Mapping | None = None,
                          source_options: Mapping | None = None,
-                         seq_lens: tuple[int, ...] = (200,)) -> dict:
-  """Prepares already loaded interactions into ``out``.
+                         seq_lens: tuple[int, ...] = (200,), num_shards: int = 1) -> dict:
+  """Prepares already loaded interactions into ``out`` (in memory).
 
   Args:
     raw: interactions in file order.
     out: output folder; any manifest in it is removed first.
     dataset: name recorded in the manifest.
     min_item_count, min_user_count, split, split_options, source_options,
-      seq_lens: see :func:`prepare_dataset`.
+      seq_lens, num_shards: see :func:`prepare_dataset`.
 
   Returns:
     The manifest written to ``out/manifest.json``.
@@ -317,19 +353,43 @@ def prepare_interactions(raw: sources.Interactions, out: str | os.PathLike, *,
       raw, min_item_count=min_item_count, min_user_count=min_user_count)
   del raw
   parts = splits.make_split(sequences, split, **dict(split_options or {}))
+  manifest = build_manifest(
+      dataset=dataset, source_options=source_options, raw_interactions=raw_size,
+      min_item_count=min_item_count, min_user_count=min_user_count, parts=parts,
+      num_users=sequences.num_users, num_items=sequences.num_items,
+      num_interactions=int(sequences.items.shape[0]), seq_lens=seq_lens)
+  arrays = {
+      "items": sequences.items, "timestamps": sequences.timestamps,
+      "offsets": sequences.offsets, "train_lengths": parts.train_lengths,
+      "validation": parts.validation, "test": parts.test,
+      "user_ids": sequences.user_ids, "item_ids": sequences.item_ids,
+  }
+  storage.write_prepared(out, arrays, manifest, num_shards=num_shards)
+  return storage.load_prepared(out).manifest
+
+
+def build_manifest(*, dataset: str, source_options: Mapping | None, raw_interactions: int,
+                   min_item_count: int, min_user_count: int, parts: splits.Split,
+                   num_users: int, num_items: int, num_interactions: int,
+                   seq_lens: tuple[int, ...]) -> dict:
+  """The manifest of a preparation (before :func:`storage.write_prepared` adds the array table).
+
+  Every preparation path (in memory, or :mod:`trainer.data.engine`) builds it
+  here, so the same data gives the same manifest.
+  """
   validation, test = parts.validation, parts.test
   history = np.concatenate([validation[:, 1], test[:, 1]])
-  manifest = {
+  return {
       "dataset": dataset,
       "source_options": {k: (str(v) if isinstance(v, pathlib.PurePath) else v)
                          for k, v in dict(source_options or {}).items()},
-      "raw_interactions": raw_size,
+      "raw_interactions": int(raw_interactions),
       "min_item_count": int(min_item_count),
       "min_user_count": int(min_user_count),
       "split": {"kind": parts.kind, **parts.params},
-      "num_users": sequences.num_users,
-      "num_items": sequences.num_items,
-      "num_interactions": int(sequences.items.shape[0]),
+      "num_users": int(num_users),
+      "num_items": int(num_items),
+      "num_interactions": int(num_interactions),
       "train_interactions": int(parts.train_lengths.sum()),
       "validation_examples": int(validation.shape[0]),
       "test_examples": int(test.shape[0]),
@@ -340,11 +400,3 @@ def prepare_interactions(raw: sources.Interactions, out: str | os.PathLike, *,
       "train_windows": {str(int(n)): num_train_windows(parts.train_lengths, n)
                         for n in seq_lens},
   }
-  arrays = {
-      "items": sequences.items, "timestamps": sequences.timestamps,
-      "offsets": sequences.offsets, "train_lengths": parts.train_lengths,
-      "validation": validation, "test": test,
-      "user_ids": sequences.user_ids, "item_ids": sequences.item_ids,
-  }
-  storage.write_prepared(out, arrays, manifest)
-  return storage.load_prepared(out).manifest

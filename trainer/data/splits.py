@@ -78,14 +78,7 @@ def leave_one_out(sequences: Sequences) -> Split:
     >>> leave_one_out(seqs).test.tolist()
     [[0, 3, 3, 4]]
   """
-  lengths = sequences.lengths
-  evaluated = lengths >= 3
-  train_lengths = np.where(evaluated, lengths - 2, lengths).astype(np.int64)
-  users = np.flatnonzero(evaluated)
-  n = lengths[users]
-  return Split(kind="loo", train_lengths=train_lengths,
-               validation=_examples(users, n - 2, n - 2, n - 1),
-               test=_examples(users, n - 1, n - 1, n), params={})
+  return split_from_counts("loo", sequences.lengths)
 
 
 def _count_before(sequences: Sequences, row_user: np.ndarray,
@@ -97,6 +90,81 @@ def _count_before(sequences: Sequences, row_user: np.ndarray,
   before = sequences.timestamps < threshold
   return np.bincount(row_user[before],
                      minlength=sequences.num_users).astype(np.int64)
+
+
+def gts_boundaries(end: int, *, test_window: int, validation_window: int,
+                   gap: int = 0) -> dict:
+  """The windows of the global temporal split whose data ends at ``end`` (last time + 1).
+
+  Returns:
+    The split's ``params`` (``test_window``, ``validation_window``, ``gap``,
+    ``train_end``, ``validation_start``, ``test_start``, ``end``) and
+    ``test_start_minus_gap``, where the history of a test example ends.
+
+  Raises:
+    ValueError: bad window sizes.
+  """
+  if test_window <= 0 or validation_window < 0 or gap < 0:
+    raise ValueError(
+        f"expected test_window > 0, validation_window >= 0 and gap >= 0, got "
+        f"{test_window}, {validation_window} and {gap}")
+  test_start = int(end) - int(test_window)
+  validation_start = test_start - int(gap) - int(validation_window)
+  train_end = validation_start - int(gap)
+  return {"test_window": int(test_window), "validation_window": int(validation_window),
+          "gap": int(gap), "train_end": train_end, "validation_start": validation_start,
+          "test_start": test_start, "end": int(end),
+          "test_start_minus_gap": test_start - int(gap)}
+
+
+def split_from_counts(kind: str, lengths: np.ndarray, counts: dict | None = None,
+                      bounds: dict | None = None) -> Split:
+  """A split from per-user counts alone (no event array): what both preparation paths share.
+
+  Args:
+    kind: ``"loo"`` or ``"gts"``.
+    lengths: int64 ``[U]`` events per user.
+    counts: for ``"gts"``: int64 ``[U]`` per user, events with a timestamp
+      below ``bounds[name]``, for the names ``train_end``,
+      ``test_start_minus_gap``, ``test_start``, ``validation_start``.
+    bounds: for ``"gts"``: :func:`gts_boundaries`.
+
+  Raises:
+    ValueError: unknown kind, or (``gts``) no test example.
+  """
+  lengths = np.asarray(lengths, np.int64)
+  if kind == "loo":
+    evaluated = lengths >= 3
+    train_lengths = np.where(evaluated, lengths - 2, lengths).astype(np.int64)
+    users = np.flatnonzero(evaluated)
+    n = lengths[users]
+    return Split(kind="loo", train_lengths=train_lengths,
+                 validation=_examples(users, n - 2, n - 2, n - 1),
+                 test=_examples(users, n - 1, n - 1, n), params={})
+  if kind != "gts":
+    raise ValueError(f"unknown split {kind!r}; expected one of {SPLITS}")
+  train_lengths = counts["train_end"]
+  before_test_gap = counts["test_start_minus_gap"]
+  before_test = counts["test_start"]
+  before_validation = counts["validation_start"]
+  in_train = train_lengths > 0
+
+  val_users = np.flatnonzero(in_train & (before_test_gap > before_validation))
+  validation = _examples(val_users, train_lengths[val_users],
+                         before_validation[val_users],
+                         before_test_gap[val_users])
+  test_users = np.flatnonzero(in_train & (lengths > before_test))
+  test = _examples(test_users, before_test_gap[test_users],
+                   before_test[test_users], lengths[test_users])
+  if test.shape[0] == 0:
+    raise ValueError(
+        f"global temporal split has no test example: no user with events "
+        f"before {bounds['train_end']} has an event in the test window "
+        f"[{bounds['test_start']}, {bounds['end']}); expected a test_window "
+        f"({bounds['test_window']}) that holds events of training users")
+  params = {k: v for k, v in bounds.items() if k != "test_start_minus_gap"}
+  return Split(kind="gts", train_lengths=train_lengths,
+               validation=validation, test=test, params=params)
 
 
 def global_temporal_split(sequences: Sequences, *, test_window: int,
@@ -118,42 +186,13 @@ def global_temporal_split(sequences: Sequences, *, test_window: int,
     ValueError: bad window sizes, or no test example (no event in the test
       window from a user with training events).
   """
-  if test_window <= 0 or validation_window < 0 or gap < 0:
-    raise ValueError(
-        f"expected test_window > 0, validation_window >= 0 and gap >= 0, got "
-        f"{test_window}, {validation_window} and {gap}")
-  end = int(sequences.timestamps.max()) + 1
-  test_start = end - int(test_window)
-  validation_start = test_start - int(gap) - int(validation_window)
-  train_end = validation_start - int(gap)
-  lengths = sequences.lengths
-  row_user = np.repeat(np.arange(sequences.num_users, dtype=np.int32), lengths)
-  train_lengths = _count_before(sequences, row_user, train_end)
-  before_test_gap = _count_before(sequences, row_user, test_start - gap)
-  before_test = _count_before(sequences, row_user, test_start)
-  before_validation = _count_before(sequences, row_user, validation_start)
-  del row_user
-  in_train = train_lengths > 0
-
-  val_users = np.flatnonzero(in_train & (before_test_gap > before_validation))
-  validation = _examples(val_users, train_lengths[val_users],
-                         before_validation[val_users],
-                         before_test_gap[val_users])
-  test_users = np.flatnonzero(in_train & (lengths > before_test))
-  test = _examples(test_users, before_test_gap[test_users],
-                   before_test[test_users], lengths[test_users])
-  if test.shape[0] == 0:
-    raise ValueError(
-        f"global temporal split has no test example: no user with events "
-        f"before {train_end} has an event in the test window [{test_start}, "
-        f"{end}); expected a test_window ({test_window}) that holds events of "
-        "training users")
-  params = {"test_window": int(test_window),
-            "validation_window": int(validation_window), "gap": int(gap),
-            "train_end": train_end, "validation_start": validation_start,
-            "test_start": test_start, "end": end}
-  return Split(kind="gts", train_lengths=train_lengths,
-               validation=validation, test=test, params=params)
+  gts_boundaries(0, test_window=test_window, validation_window=validation_window, gap=gap)
+  bounds = gts_boundaries(int(sequences.timestamps.max()) + 1, test_window=test_window,
+                          validation_window=validation_window, gap=gap)
+  row_user = np.repeat(np.arange(sequences.num_users, dtype=np.int32), sequences.lengths)
+  counts = {name: _count_before(sequences, row_user, bounds[name]) for name in
+            ("train_end", "test_start_minus_gap", "test_start", "validation_start")}
+  return split_from_counts("gts", sequences.lengths, counts, bounds)
 
 
 def make_split(sequences: Sequences, kind: str, **params) -> Split:

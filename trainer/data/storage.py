@@ -27,6 +27,18 @@ mapping needs a local file, so from a remote folder every array is read
 whole into memory (each process holds its own copy; on a TPU VM the host
 memory is ample: 50M events take 0.6 GB, int32 items and int64 times).
 
+Shards. Prepared with ``num_shards`` S > 1, the two event arrays are cut
+by user into S files each, ``items-00000-of-00004.npy`` (and
+``timestamps-...``): shard s holds users ``shards.users[s]:users[s + 1]``,
+rows ``shards.rows[s]:rows[s + 1]`` (contiguous ranges of dense users,
+cut so that every shard holds about n / S events). The manifest's
+``shards`` entry is the index, and its ``arrays`` entries of ``items`` and
+``timestamps`` list the shard files instead of one file. The loader gives
+:class:`ShardedRows` for them: global row indexing like an array, each shard
+file opened on first use, so a process that reads only its users' rows
+opens only their shards. With S = 1 (the default) the folder is exactly the
+single-file layout above.
+
 Writes are atomic: each file is written under a temporary name and renamed,
 the manifest last, and any previous manifest is removed first, so a folder
 with a manifest always holds a complete dataset and a failed preparation
@@ -59,6 +71,97 @@ ARRAYS = {  # name -> (dtype, rank)
 RAW_ID_ARRAYS = ("user_ids", "item_ids")
 
 
+# Event arrays: [n], cut into shards by user when num_shards > 1.
+EVENT_ARRAYS = ("items", "timestamps")
+
+
+def shard_file(name: str, shard: int, num_shards: int) -> str:
+  """File name of shard ``shard`` of ``name``: ``items-00001-of-00004.npy``."""
+  return f"{name}-{shard:05d}-of-{num_shards:05d}.npy"
+
+
+def shard_bounds(offsets: np.ndarray, num_shards: int) -> np.ndarray:
+  """int64 ``[S + 1]`` user bounds cutting the users into S shards of about n / S events.
+
+  Shard s holds users ``bounds[s]:bounds[s + 1]`` (contiguous dense ids);
+  its rows are ``offsets[bounds[s]]:offsets[bounds[s + 1]]``.
+
+  Raises:
+    ValueError: ``num_shards`` below 1 or above the number of users.
+
+  Example:
+    >>> shard_bounds(np.array([0, 5, 6, 10, 12]), 2).tolist()
+    [0, 2, 4]
+  """
+  offsets = np.asarray(offsets, np.int64)
+  users = offsets.shape[0] - 1
+  if num_shards == 1 and not isinstance(num_shards, bool):
+    return np.array([0, users], np.int64)
+  if isinstance(num_shards, bool) or int(num_shards) != num_shards or not 1 <= num_shards <= users:
+    raise ValueError(f"num_shards={num_shards!r}: expected an integer in [1, {users}] "
+                     f"(at most the number of users, {users})")
+  targets = offsets[-1] * np.arange(1, num_shards) // num_shards
+  inner = np.searchsorted(offsets, targets, side="left")
+  bounds = np.concatenate([[0], inner, [users]]).astype(np.int64)
+  # At least one user per shard, in increasing order.
+  for s in range(1, num_shards):
+    bounds[s] = max(bounds[s], bounds[s - 1] + 1)
+  for s in range(num_shards - 1, 0, -1):
+    bounds[s] = min(bounds[s], bounds[s + 1] - 1)
+  return bounds
+
+
+def npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+  """The ``.npy`` header ``np.save`` writes for an array of ``dtype`` and ``shape``."""
+  import io  # pylint: disable=import-outside-toplevel
+  buffer = io.BytesIO()
+  header = np.lib.format.header_data_from_array_1_0(np.empty(0, dtype))
+  header["shape"] = tuple(int(d) for d in shape)
+  np.lib.format.write_array_header_1_0(buffer, header)
+  return buffer.getvalue()
+
+
+class NpyStream:
+  """Writes a 1-D ``.npy`` file in pieces, under a temporary name renamed at ``close``.
+
+  The file is byte-identical to ``np.save`` of the concatenated pieces.
+
+  Raises (at ``close``):
+    ValueError: the pieces do not add up to the declared length.
+  """
+
+  def __init__(self, target: epath.Path, dtype, length: int):
+    self.target = target
+    self.dtype = np.dtype(dtype)
+    self.length = int(length)
+    self.written = 0
+    self._temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    self._file = self._temporary.open("wb")
+    self._file.write(npy_header(self.dtype, (self.length,)))
+
+  def write(self, values: np.ndarray) -> None:
+    values = np.ascontiguousarray(values, self.dtype)
+    self._file.write(values.tobytes())
+    self.written += values.shape[0]
+
+  def close(self) -> None:
+    """Completes the file (renamed to its name)."""
+    if self.written != self.length:
+      self.abort()
+      raise ValueError(f"{self.target}: {self.written} values written, {self.length} declared")
+    self._file.flush()
+    if not paths.is_remote(self.target):
+      os.fsync(self._file.fileno())
+    self._file.close()
+    self._temporary.replace(self.target)
+
+  def abort(self) -> None:
+    """Drops the temporary file."""
+    self._file.close()
+    if self._temporary.exists():
+      self._temporary.unlink()
+
+
 def _dtype_ok(name: str, dtype: np.dtype) -> bool:
   if name in RAW_ID_ARRAYS and dtype.kind == "U":
     return True
@@ -73,7 +176,8 @@ class PreparedDataset:
     path: the folder.
     manifest: the parsed manifest.
     items, timestamps, offsets, train_lengths, validation, test: the arrays
-      listed in the module docstring.
+      listed in the module docstring (``items`` and ``timestamps`` are
+      :class:`ShardedRows` when the folder holds shards).
     user_ids: ``[U]`` raw id of each dense user (int64, or ``<U`` for string
       ids): ``user_ids[u]`` is dense user ``u``'s id in the source.
     item_ids: ``[V]`` raw id of each dense item: ``item_ids[v]`` is dense item
@@ -94,6 +198,18 @@ class PreparedDataset:
   @property
   def num_users(self) -> int:
     return int(self.offsets.shape[0] - 1)
+
+  @property
+  def num_shards(self) -> int:
+    """S, the number of user shards of the event arrays (1: one file each)."""
+    return int(self.manifest.get("shards", {}).get("count", 1))
+
+  @property
+  def shard_users(self) -> np.ndarray:
+    """int64 ``[S + 1]``: shard s holds dense users ``shard_users[s]:shard_users[s + 1]``."""
+    if "shards" in self.manifest:
+      return np.asarray(self.manifest["shards"]["users"], np.int64)
+    return np.array([0, self.num_users], np.int64)
 
   @property
   def num_items(self) -> int:
@@ -128,46 +244,170 @@ def _write_atomic(target: epath.Path, write) -> None:
       temporary.unlink()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Written:
+  """Stands for an event array the caller already wrote (with :class:`NpyStream`).
+
+  Attributes:
+    dtype: its dtype name (``"int32"``, ``"int64"``).
+    length: n, its number of rows.
+  """
+
+  dtype: str
+  length: int
+
+  @property
+  def shape(self) -> tuple[int]:
+    return (self.length,)
+
+  @property
+  def ndim(self) -> int:
+    return 1
+
+
+def event_files(name: str, num_shards: int) -> list[str]:
+  """The files of event array ``name``: one, or one per shard."""
+  if num_shards == 1:
+    return [f"{name}.npy"]
+  return [shard_file(name, s, num_shards) for s in range(num_shards)]
+
+
 def write_prepared(path: str | os.PathLike, arrays: Mapping[str, np.ndarray],
-                   manifest: Mapping) -> epath.Path:
+                   manifest: Mapping, *, num_shards: int = 1) -> epath.Path:
   """Writes a prepared dataset atomically (manifest last).
 
   Args:
     path: output folder (created if needed), local or ``gs://...``.
     arrays: every name of :data:`ARRAYS` to its array (the raw-id arrays
-      may also be numpy unicode ``<U``).
+      may also be numpy unicode ``<U``); an event array (``items``,
+      ``timestamps``) may be :class:`Written`: already in the folder under
+      the names of :func:`event_files`.
     manifest: JSON-serializable metadata; the array table and format version
-      are added.
+      are added (and with ``num_shards`` > 1 the ``shards`` index).
+    num_shards: S, the event arrays cut by user into S files (see the module
+      docstring); 1 writes one file each.
 
   Returns:
     The folder.
 
   Raises:
-    ValueError: a missing array or one of the wrong dtype or rank.
+    ValueError: a missing array or one of the wrong dtype or rank, or a bad
+      ``num_shards``.
   """
   folder = paths.as_path(path)
   missing = sorted(set(ARRAYS) - set(arrays))
   if missing:
     raise ValueError(f"arrays {missing} missing; expected {sorted(ARRAYS)}")
+  bounds = shard_bounds(arrays["offsets"], num_shards)
+  rows = np.asarray(arrays["offsets"], np.int64)[bounds]
   table = {}
   for name, (dtype, rank) in ARRAYS.items():
     array = arrays[name]
-    if not _dtype_ok(name, array.dtype) or array.ndim != rank:
+    kind = np.dtype(array.dtype)
+    if not _dtype_ok(name, kind) or array.ndim != rank:
       expected = f"{dtype} (or <U)" if name in RAW_ID_ARRAYS else dtype
-      raise ValueError(f"array {name!r} is {array.dtype} rank {array.ndim}; "
+      raise ValueError(f"array {name!r} is {kind} rank {array.ndim}; "
                        f"expected {expected} rank {rank}")
-    table[name] = {"file": f"{name}.npy",
-                   "dtype": str(array.dtype) if array.dtype.kind == "U" else dtype,
-                   "shape": list(array.shape)}
+    entry = {"dtype": str(kind) if kind.kind == "U" else dtype, "shape": list(array.shape)}
+    if name in EVENT_ARRAYS and num_shards > 1:
+      entry["files"] = event_files(name, num_shards)
+    else:
+      entry["file"] = f"{name}.npy"
+    table[name] = entry
   folder.mkdir(parents=True, exist_ok=True)
   remove_manifest(folder)
   for name in ARRAYS:
-    _write_atomic(folder / table[name]["file"],
-                  lambda file, a=arrays[name]: np.save(file, a))
+    array = arrays[name]
+    if isinstance(array, Written):
+      continue
+    if name in EVENT_ARRAYS and num_shards > 1:
+      for file, start, stop in zip(table[name]["files"], rows[:-1], rows[1:]):
+        _write_atomic(folder / file, lambda f, a=array[start:stop]: np.save(f, a))
+    else:
+      _write_atomic(folder / table[name]["file"], lambda file, a=array: np.save(file, a))
   full = {"format": FORMAT, "version": VERSION, **manifest, "arrays": table}
+  if num_shards > 1:
+    full["shards"] = {"count": int(num_shards), "users": bounds.tolist(),
+                      "rows": rows.tolist()}
   text = json.dumps(full, indent=2, sort_keys=True).encode()
   _write_atomic(folder / MANIFEST, lambda file: file.write(text))
   return folder
+
+
+class ShardedRows:
+  """A 1-D event array stored in shard files, read like one array by global row.
+
+  ``rows[i]``, ``rows[a:b]`` and ``rows[index_array]`` take global rows;
+  each shard file is opened (memory-mapped when local, read when remote) the
+  first time a row of it is asked for. ``opened`` lists the shards opened.
+
+  Attributes:
+    files: the shard files, in shard order.
+    starts: int64 ``[S + 1]`` first global row of each shard, then n.
+  """
+
+  def __init__(self, files: list[epath.Path], starts: np.ndarray, dtype: str):
+    self.files = list(files)
+    self.starts = np.asarray(starts, np.int64)
+    self.dtype = np.dtype(dtype)
+    self.shape = (int(self.starts[-1]),)
+    self.ndim = 1
+    self._shards: dict[int, np.ndarray] = {}
+
+  def __len__(self) -> int:
+    return self.shape[0]
+
+  @property
+  def opened(self) -> list[int]:
+    """Shards opened so far, in increasing order."""
+    return sorted(self._shards)
+
+  def shard(self, index: int) -> np.ndarray:
+    """Shard ``index`` as an array (opened on first use)."""
+    if index not in self._shards:
+      array = _load_array(self.files[index])
+      expected = int(self.starts[index + 1] - self.starts[index])
+      if array.dtype != self.dtype or array.shape != (expected,):
+        raise ValueError(f"{self.files[index]} is {array.dtype} {list(array.shape)}; the "
+                         f"manifest expects {self.dtype} [{expected}]")
+      self._shards[index] = array
+    return self._shards[index]
+
+  def _take(self, index: np.ndarray) -> np.ndarray:
+    index = np.asarray(index, np.int64)
+    flat = index.reshape(-1)
+    if flat.size and (flat.min() < 0 or flat.max() >= self.shape[0]):
+      raise IndexError(f"row index out of range [0, {self.shape[0]})")
+    which = np.searchsorted(self.starts, flat, side="right") - 1
+    out = np.empty(flat.shape, self.dtype)
+    for s in np.unique(which):
+      mask = which == s
+      out[mask] = self.shard(int(s))[flat[mask] - self.starts[s]]
+    return out.reshape(index.shape)
+
+  def __getitem__(self, key):
+    if isinstance(key, slice):
+      start, stop, step = key.indices(self.shape[0])
+      if step != 1:
+        return self._take(np.arange(start, stop, step))
+      stop = max(start, stop)
+      first = int(np.searchsorted(self.starts, start, side="right") - 1)
+      last = int(np.searchsorted(self.starts, max(stop - 1, start), side="right") - 1)
+      if start == stop:
+        return np.empty(0, self.dtype)
+      parts = [self.shard(s)[max(start, self.starts[s]) - self.starts[s]:
+                             min(stop, self.starts[s + 1]) - self.starts[s]]
+               for s in range(first, last + 1)]
+      return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if isinstance(key, (int, np.integer)):
+      key = int(key) + (self.shape[0] if key < 0 else 0)
+      return self._take(np.array([key]))[0]
+    return self._take(key)
+
+  def __array__(self, dtype=None, copy=None):
+    del copy
+    whole = self[0:self.shape[0]]
+    return whole if dtype is None else whole.astype(dtype)
 
 
 def load_prepared(path: str | os.PathLike) -> PreparedDataset:
@@ -202,6 +442,10 @@ def load_prepared(path: str | os.PathLike) -> PreparedDataset:
         f"{manifest.get('version')!r}; expected {FORMAT!r} version {VERSION}")
   arrays = {}
   for name, entry in manifest["arrays"].items():
+    if "files" in entry:  # an event array cut into shards: opened on first use
+      arrays[name] = ShardedRows([folder / file for file in entry["files"]],
+                                 manifest["shards"]["rows"], entry["dtype"])
+      continue
     array = _load_array(folder / entry["file"])
     if str(array.dtype) != entry["dtype"] or list(array.shape) != entry["shape"]:
       raise ValueError(

@@ -42,6 +42,12 @@ def _windows_per_user(train_lengths: np.ndarray, seq_len: int) -> np.ndarray:
   return -(-positions // seq_len)  # ceil((n - 1) / N), 0 when n < 2.
 
 
+def num_windows_per_user(train_lengths: np.ndarray, seq_len: int) -> np.ndarray:
+  """int64 ``[U]`` training windows of N = ``seq_len`` inputs per user."""
+  check_positive(seq_len=seq_len)
+  return _windows_per_user(train_lengths, seq_len)
+
+
 def num_train_windows(train_lengths: np.ndarray, seq_len: int) -> int:
   """Number of training windows of N = ``seq_len`` inputs over all users."""
   check_positive(seq_len=seq_len)
@@ -77,7 +83,8 @@ def build_train_batch(items: np.ndarray, offsets: np.ndarray,
   """Builds a batch of training windows (vectorized).
 
   Args:
-    items: int32 ``[n]`` all items (may be memory-mapped).
+    items: int32 ``[n]`` all items (may be memory-mapped, or
+      :class:`~trainer.data.storage.ShardedRows`).
     offsets: int64 ``[U + 1]``.
     train_lengths: int64 ``[U]``.
     users: int ``[B]`` window users; ends: int ``[B]`` window ends (see
@@ -94,13 +101,16 @@ def build_train_batch(items: np.ndarray, offsets: np.ndarray,
   pos = ends[:, None] - seq_len + np.arange(seq_len)  # [B, N]
   valid = pos >= 0
   base = np.asarray(offsets[users], np.int64)[:, None]  # [B, 1]
-  inputs = np.where(valid, items[np.where(valid, base + pos, 0)],
+  # Padding positions read the user's first row (never used), so a batch
+  # touches only its users' rows (and, for sharded data, their shards).
+  inputs = np.where(valid, items[np.where(valid, base + pos, base)],
                     input_pad_id(num_items))
   target_pos = pos[:, :, None] + 1 + np.arange(num_targets)  # [B, N, L]
   length = np.asarray(train_lengths[users], np.int64)[:, None, None]
   has_target = valid[:, :, None] & (target_pos < length)
   targets = np.where(
-      has_target, items[np.where(has_target, base[:, :, None] + target_pos, 0)],
+      has_target, items[np.where(has_target, base[:, :, None] + target_pos,
+                                 base[:, :, None])],
       PAD)
   return {"inputs": inputs.astype(np.int32),
           "targets": targets.astype(np.int32),

@@ -33,6 +33,16 @@ RATIO_COLUMN = "played_ratio_pct"
 
 def load_yambda(path: str | os.PathLike, event: str = "listens",
                 min_played_ratio: int = 50) -> sources.Interactions:
+  """Loads one Yambda event file (see :func:`scan_yambda` for the arguments).
+
+  Returns:
+    Interactions in file order, ``uid`` as user, ``item_id`` as item.
+  """
+  return files.read_interactions(**scan_yambda(path, event, min_played_ratio)._asdict())
+
+
+def scan_yambda(path: str | os.PathLike, event: str = "listens",
+                min_played_ratio: int = 50) -> files.FileScan:
   """Loads one Yambda event file.
 
   Args:
@@ -42,7 +52,8 @@ def load_yambda(path: str | os.PathLike, event: str = "listens",
       every listen). Ignored for likes.
 
   Returns:
-    Interactions in file order, ``uid`` as user, ``item_id`` as item.
+    The :class:`~trainer.data.files.FileScan` of the file: its columns, the
+    played-ratio filter.
 
   Raises:
     FileNotFoundError: missing folder or file.
@@ -66,7 +77,7 @@ def load_yambda(path: str | os.PathLike, event: str = "listens",
       event == "multi_event" and RATIO_COLUMN in pq.read_schema(file).names)
   condition = (f"{RATIO_COLUMN}>={int(min_played_ratio)}"
                if with_ratio and min_played_ratio > 0 else None)
-  return files.read_interactions(
+  return files.FileScan(
       [file], user_col=USER_COLUMN, item_col=ITEM_COLUMN, time_col=TIME_COLUMN,
       filter=condition, time_unit="s",
       # Non-listen events have no ratio: keep them.
