@@ -70,6 +70,12 @@ def get_config() -> ml_collections.ConfigDict:
   # disk, or one machine) while the others wait. True: every process prepares
   # its own identical copy into `prepared_dir`, a local folder on each host.
   config.data.prepare_per_host = False
+  # Files and Yambda are prepared out of core (DuckDB) under this memory limit
+  # ("4GB"; None: half of the host's RAM), the event arrays cut by user into
+  # `prepare_shards` files (a multiple of the process count: each process
+  # then reads only its own shards).
+  config.data.prepare_memory_limit = ml_collections.config_dict.placeholder(str)
+  config.data.prepare_shards = 1
   # Keyword options of the source loader (sizes and seed for synthetic, path
   # for yambda, cache_dir for MovieLens, path and column names for files); a
   # command-line override may add any option the source documents.

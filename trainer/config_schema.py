@@ -30,7 +30,7 @@ from etils import epath
 
 from cutbce.api import BACKEND_CHOICES
 from trainer import paths
-from trainer.data import files, prepare, sources, splits, yambda
+from trainer.data import engine, files, prepare, sources, splits, yambda
 from trainer.schema import (BOOL, FLOAT, INT, INTS, STR, STRS, ConfigError, Rule, above,
                             at_least, flatten, fraction, key, one_of, sections_of, unit)
 from trainer import schema
@@ -91,6 +91,11 @@ KEYS: tuple[schema.Key, ...] = (
     key("data.prepare_per_host", BOOL, None, "every process prepares its own copy into its "
         "local `data.prepared_dir` (a barrier after), instead of process 0 alone into a folder "
         "every host reads"),
+    key("data.prepare_memory_limit", STR, None, "memory limit of the out-of-core preparation "
+        "of files and yambda (e.g. '4GB'; past it DuckDB spills to the temporary folder); "
+        "None: half of the host's RAM", none_ok=True),
+    key("data.prepare_shards", INT, at_least(1), "event arrays prepared in this many user "
+        "shards (a multiple of the process count: each process reads only its shards)"),
     key("data.min_item_count", INT, at_least(0), "keep items with >= k interactions "
         "(None: 5 for MovieLens, 1 for Yambda and files, 0 = whole catalog for synthetic)",
         none_ok=True),
@@ -335,7 +340,8 @@ def prepared_differences(values: Mapping[str, Any], workdir: str,
   return prepare.prepared_mismatch(
       folder, dataset=values["data.dataset"], source_options=_options(values, "source_options"),
       min_item_count=values.get("data.min_item_count"), split=values["data.split"],
-      split_options=_options(values, "split_options"))
+      split_options=_options(values, "split_options"),
+      num_shards=values.get("data.prepare_shards") or 1)
 
 
 def _prepares_here(values, context) -> bool:
@@ -407,6 +413,18 @@ def _prepared_dir_matches(values, context):
   return None
 
 
+def _memory_limit_parses(values, context):
+  del context
+  text = values.get("data.prepare_memory_limit")
+  if text is None:
+    return None
+  try:
+    engine.parse_memory_limit(text)
+  except ValueError:
+    return "None or a size of at least 64MiB such as '4GB' or '512MiB'"
+  return None
+
+
 def _per_host_folder_is_local(values, context):
   del context
   folder = values.get("data.prepared_dir")
@@ -441,6 +459,9 @@ def _best_metric_is_evaluated(values, context):
 
 
 RULES: tuple[Rule, ...] = (
+    Rule(name="memory_limit_parses", keys=("data.prepare_memory_limit",),
+         check=_memory_limit_parses,
+         doc="`data.prepare_memory_limit` is None or a size such as '4GB'"),
     Rule(name="mesh_lengths", keys=("mesh.shape", "mesh.axis_names"), check=_mesh_lengths,
          doc="one size per axis name"),
     Rule(name="mesh_covers_devices", keys=("mesh.shape",), check=_mesh_devices,
