@@ -76,7 +76,8 @@ def prepare_data(config, workdir: str | os.PathLike) -> data_lib.PreparedDataset
   def prepare_unless_there():
     options = dict(source_options=config.data.source_options.to_dict(),
                    min_item_count=config.data.min_item_count, split=config.data.split,
-                   split_options=config.data.split_options.to_dict())
+                   split_options=config.data.split_options.to_dict(),
+                   num_shards=config.data.prepare_shards)
     try:
       stale = prepare_lib.needs_preparation(
           folder, explicit=config.data.prepared_dir is not None,
@@ -87,7 +88,8 @@ def prepare_data(config, workdir: str | os.PathLike) -> data_lib.PreparedDataset
     if stale:
       logs.say(f"preparing {config.data.dataset} into {folder}")
       summary = data_lib.prepare_dataset(config.data.dataset, folder, **options,
-                                         seq_lens=(config.seq_len,))
+                                         seq_lens=(config.seq_len,),
+                                         memory_limit=config.data.prepare_memory_limit)
       logs.say(f"prepared {summary['num_users']} users, {summary['num_items']} items, "
                f"{summary['num_interactions']} interactions")
 

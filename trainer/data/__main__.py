@@ -19,6 +19,9 @@ Examples::
   python -m trainer.data --dataset files --path 'logs/*.parquet' \
       --user-col uid --item-col item_id --time-col timestamp \
       --filter 'played_ratio_pct>=50' --out /data/mine
+  python -m trainer.data --dataset files --path 'gs://bucket/logs/*.parquet' \
+      --user-col uid --item-col item_id --time-col timestamp \
+      --memory-limit 4GB --num-shards 16 --out gs://bucket/prepared
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import os
 import sys
 
 from trainer import schema
-from trainer.data import files, prepare, sources, splits, yambda
+from trainer.data import engine, files, prepare, sources, splits, yambda
 from trainer.schema import FLOAT, INT, STR, above, at_least, key, one_of, unit
 
 _IDS = schema.Range(1, 2**31 - 1)
@@ -63,6 +66,13 @@ FLAG_KEYS: tuple[schema.Key, ...] = (
     key("zipf_exponent", FLOAT, above(0), "synthetic Zipf exponent"),
     key("transition_prob", FLOAT, unit(), "synthetic planted-transition probability"),
     key("seed", INT, at_least(0), "synthetic seed"),
+    key("memory_limit", STR, None, "out-of-core engine's memory limit, e.g. 4GB (None: half "
+        "the RAM)", none_ok=True),
+    key("num_shards", INT, at_least(1), "event arrays cut by user into this many shard files"),
+    key("engine", STR, one_of(*prepare.ENGINES), "auto (duckdb for files and yambda), "
+        "memory or duckdb"),
+    key("temp_dir", STR, None, "local folder for the engine's spill files (None: the "
+        "system's temporary folder)", none_ok=True),
 )
 
 
@@ -115,7 +125,21 @@ def _files_filter_parses(values, context):
   return None
 
 
+def _memory_limit_parses(values, context):
+  del context
+  if values["memory_limit"] is None:
+    return None
+  try:
+    engine.parse_memory_limit(values["memory_limit"])
+  except ValueError as error:
+    return str(error).split("; ", 1)[-1] if "below" not in str(error) else "at least 64MiB"
+  return None
+
+
 FLAG_RULES: tuple[schema.Rule, ...] = (
+    schema.Rule(name="memory_limit_parses", keys=("memory_limit",),
+                check=_memory_limit_parses,
+                doc="--memory-limit is a size such as 4GB or 512MiB"),
     schema.Rule(name="yambda_folder_exists", keys=("yambda_path", "dataset"),
                 check=_yambda_folder_exists,
                 doc="with --dataset yambda, --yambda-path is an existing folder"),
@@ -163,6 +187,18 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"one of {', '.join(splits.SPLITS)}")
   parser.add_argument("--seq-len", default=200,
                       help="N, inputs per training window (for the count)")
+  group = parser.add_argument_group("out-of-core preparation and shards")
+  group.add_argument("--memory-limit", "--memory_limit", dest="memory_limit", default=None,
+                     help="the engine's memory limit (4GB, 512MiB); past it it spills to "
+                     "--temp-dir (default: half of this machine's RAM)")
+  group.add_argument("--num-shards", "--num_shards", dest="num_shards", default=1,
+                     help="cut the event arrays by user into this many shard files (a "
+                     "multiple of the number of training processes)")
+  group.add_argument("--engine", default="auto",
+                     help=f"one of {', '.join(prepare.ENGINES)}: auto = duckdb (out of "
+                     "core) for files and yambda, memory for the others")
+  group.add_argument("--temp-dir", "--temp_dir", dest="temp_dir", default=None,
+                     help="local folder for spill files (default: the system's)")
   group = parser.add_argument_group("global temporal split (timestamp units)")
   group.add_argument("--test-window", default=86_400)
   group.add_argument("--validation-window", default=86_400)
@@ -252,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         args.dataset, args.out, min_item_count=args.min_item_count,
         min_user_count=args.min_user_count, split=args.split,
         split_options=split_options, source_options=source_options(args),
-        seq_lens=(args.seq_len,))
+        seq_lens=(args.seq_len,), num_shards=args.num_shards, engine=args.engine,
+        memory_limit=args.memory_limit, temp_dir=args.temp_dir)
   except (ValueError, TypeError, OSError, RuntimeError) as error:
     message = str(error).replace("\n", " ")  # one line, whatever pyarrow said
     print(f"error: {message}", file=sys.stderr)

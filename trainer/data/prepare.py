@@ -153,8 +153,8 @@ def _split_record(split: str, split_options: Mapping | None) -> dict:
 def prepared_mismatch(folder: str | os.PathLike, *, dataset: str,
                       source_options: Mapping | None = None,
                       min_item_count: int | None = None, min_user_count: int = 1,
-                      split: str = "loo", split_options: Mapping | None = None
-                      ) -> list[str]:
+                      split: str = "loo", split_options: Mapping | None = None,
+                      num_shards: int = 1) -> list[str]:
   """How the dataset prepared in ``folder`` differs from these options.
 
   Arguments are those of :func:`prepare_dataset` (None: the same defaults).
@@ -198,6 +198,7 @@ def prepared_mismatch(folder: str | os.PathLike, *, dataset: str,
             default_min_item_count(dataset) if min_item_count is None else int(min_item_count))
   if "min_user_count" in manifest:
     compare("min_user_count", manifest["min_user_count"], int(min_user_count))
+  compare("num_shards", int(manifest.get("shards", {}).get("count", 1)), int(num_shards))
   if "split" in manifest:
     asked_split = _split_record(split, split_options)
     prepared_split = {k: manifest["split"].get(k) for k in asked_split}
@@ -212,7 +213,8 @@ def prepared_mismatch(folder: str | os.PathLike, *, dataset: str,
 def needs_preparation(folder: str | os.PathLike, *, explicit: bool, dataset: str,
                       source_options: Mapping | None = None,
                       min_item_count: int | None = None, min_user_count: int = 1,
-                      split: str = "loo", split_options: Mapping | None = None) -> bool:
+                      split: str = "loo", split_options: Mapping | None = None,
+                      num_shards: int = 1) -> bool:
   """Whether the trainer must prepare into ``folder`` before reading it.
 
   Args:
@@ -221,7 +223,7 @@ def needs_preparation(folder: str | os.PathLike, *, explicit: bool, dataset: str
       the run's own ``WORKDIR/data``: a dataset prepared there with other
       options is then an error, never overwritten.
     dataset, source_options, min_item_count, min_user_count, split,
-      split_options: as for :func:`prepare_dataset`.
+      split_options, num_shards: as for :func:`prepare_dataset`.
 
   Returns:
     False when ``folder`` holds this dataset prepared with these options; True
@@ -236,7 +238,7 @@ def needs_preparation(folder: str | os.PathLike, *, explicit: bool, dataset: str
   differences = prepared_mismatch(
       folder, dataset=dataset, source_options=source_options,
       min_item_count=min_item_count, min_user_count=min_user_count, split=split,
-      split_options=split_options)
+      split_options=split_options, num_shards=num_shards)
   if differences and explicit:
     raise ValueError(
         f"{folder} holds data prepared with other options ({'; '.join(differences)}); "
