@@ -1,0 +1,223 @@
+"""Preparation at scale: the in-memory path against the out-of-core engine (and Polars).
+
+For each size, a synthetic parquet file (users uniform over n / 100 ids, items
+Zipf over 10^7 ids, times uniform over a year, rows in random user order; one
+size with string user and item ids) is prepared by ``python -m trainer.data``
+with ``--engine memory`` (today's path; skipped past ``--memory-max-events``)
+and ``--engine duckdb --memory-limit LIMIT``, each in its own process under
+``/usr/bin/time -v`` (wall time, peak RSS of the process). Disk spilled: the
+peak size of the child's temporary folder, polled every 0.5 s. For the
+smaller sizes, the core of the same preparation (count items, remap, order by
+user, time and file order, write parquet) is also run with Polars' streaming
+engine, the other engine compared. The two prepared folders are checked to be
+byte-identical where both ran. Prints a table, writes JSON and a plot of peak
+RSS against events.
+
+  nice -n 10 python benchmarks/prepare_bench.py --sizes 20M,100M,300M \\
+      --memory-limit 2GB --work /tmp/prepare_bench --out docs/results/prepare_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NUM_ITEMS = 10_000_000
+CHUNK = 5_000_000
+
+
+def parse_size(text: str) -> int:
+  """``20M`` -> 20_000_000, ``1B`` -> 10**9."""
+  scale = {"K": 10**3, "M": 10**6, "B": 10**9}
+  return int(float(text[:-1]) * scale[text[-1].upper()]) if text[-1].isalpha() else int(text)
+
+
+def generate(path: pathlib.Path, events: int, *, strings: bool, seed: int = 0) -> None:
+  """Writes ``events`` synthetic events to one parquet file, ``CHUNK`` rows per row group."""
+  if path.exists():
+    return
+  rng = np.random.default_rng(seed)
+  users = max(1, events // 100)
+  temporary = path.with_suffix(".tmp")
+  writer = None
+  for start in range(0, events, CHUNK):
+    count = min(CHUNK, events - start)
+    user = rng.integers(0, users, count)
+    item = (rng.zipf(1.2, count) - 1) % NUM_ITEMS
+    time_s = 1_700_000_000 + rng.integers(0, 365 * 86_400, count)
+    columns = {"uid": pa.array(user), "item_id": pa.array(item), "timestamp": pa.array(time_s)}
+    if strings:
+      columns["uid"] = pc.binary_join_element_wise("user-", pa.array(user).cast(pa.string()), "")
+      columns["item_id"] = pc.binary_join_element_wise("track-", pa.array(item).cast(pa.string()), "")
+    table = pa.table(columns)
+    if writer is None:
+      writer = pq.ParquetWriter(temporary, table.schema)
+    writer.write_table(table, row_group_size=1 << 20)
+  writer.close()
+  temporary.rename(path)
+
+
+def _folder_bytes(folder: pathlib.Path) -> int:
+  total = 0
+  for root, _, names in os.walk(folder):
+    for name in names:
+      try:
+        total += os.path.getsize(os.path.join(root, name))
+      except OSError:
+        pass
+  return total
+
+
+def run_measured(command: list[str], temp: pathlib.Path) -> dict:
+  """Runs ``command`` under /usr/bin/time -v with TMPDIR=temp; wall, peak RSS, peak spill."""
+  shutil.rmtree(temp, ignore_errors=True)
+  temp.mkdir(parents=True)
+  peak = [0]
+  done = threading.Event()
+
+  def poll():
+    while not done.wait(0.5):
+      peak[0] = max(peak[0], _folder_bytes(temp))
+
+  thread = threading.Thread(target=poll, daemon=True)
+  thread.start()
+  start = time.perf_counter()
+  result = subprocess.run(["/usr/bin/time", "-v", *command], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, TMPDIR=str(temp)), check=False)
+  wall = time.perf_counter() - start
+  done.set()
+  thread.join()
+  rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr)
+  shutil.rmtree(temp, ignore_errors=True)
+  if result.returncode != 0:
+    return {"error": result.stderr.strip().splitlines()[-3:], "wall_s": wall}
+  return {"wall_s": round(wall, 1), "peak_rss_gib": round(int(rss.group(1)) / 2**20, 2),
+          "spill_gib": round(peak[0] / 2**30, 2), "stdout": result.stdout.strip()}
+
+
+POLARS_SCRIPT = """
+import sys, polars as pl
+path, out = sys.argv[1], sys.argv[2]
+events = pl.scan_parquet(path).with_row_index("seq")
+items = events.group_by("item_id").len().filter(pl.col("len") >= 1).select("item_id") \\
+    .sort("item_id").with_row_index("item")
+users = events.join(items, on="item_id", how="semi").group_by("uid").len() \\
+    .sort("uid").with_row_index("user")
+(events.join(users.select("uid", "user"), on="uid").join(items, on="item_id")
+    .sort(["user", "timestamp", "seq"]).select("user", "item", "timestamp")
+    .sink_parquet(out, engine="streaming"))
+"""
+
+
+def _hashes(folder: pathlib.Path) -> dict:
+  return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--sizes", default="20M,100M,300M,1B")
+  parser.add_argument("--string-size", default="20M", help="the size also run with string ids")
+  parser.add_argument("--memory-limit", default="2GB")
+  parser.add_argument("--memory-max-events", default="100M",
+                      help="today's in-memory path only up to this many events")
+  parser.add_argument("--polars-max-events", default="100M")
+  parser.add_argument("--work", default="/tmp/prepare_bench")
+  parser.add_argument("--out", default="docs/results/prepare_bench.json")
+  args = parser.parse_args(argv)
+  work = pathlib.Path(args.work)
+  work.mkdir(parents=True, exist_ok=True)
+  rows = []
+  runs = [(parse_size(s), False) for s in args.sizes.split(",")]
+  if args.string_size:
+    runs.insert(1, (parse_size(args.string_size), True))
+  out_path = ROOT / args.out
+  for events, strings in runs:
+    name = f"{events // 10**6}M{'-str' if strings else ''}"
+    data = work / f"events-{name}.parquet"
+    start = time.perf_counter()
+    generate(data, events, strings=strings)
+    print(f"{name}: input ready ({time.perf_counter() - start:.0f} s, "
+          f"{data.stat().st_size / 2**30:.2f} GiB)", flush=True)
+    base = [sys.executable, "-m", "trainer.data", "--dataset", "files", "--path", str(data),
+            "--user-col", "uid", "--item-col", "item_id", "--time-col", "timestamp"]
+    engines = ["duckdb"] + (["memory"] if events <= parse_size(args.memory_max_events) else [])
+    if events <= parse_size(args.polars_max_events) and not strings:
+      engines.append("polars")
+    for engine in engines:
+      out = work / f"out-{name}-{engine}"
+      shutil.rmtree(out, ignore_errors=True)
+      if engine == "polars":
+        command = [sys.executable, "-c", POLARS_SCRIPT, str(data), str(out) + ".parquet"]
+      else:
+        command = base + ["--engine", engine, "--memory-limit", args.memory_limit,
+                          "--out", str(out)]
+      result = run_measured(command, work / "tmp")
+      row = {"events": events, "strings": strings, "engine": engine,
+             "memory_limit": args.memory_limit if engine == "duckdb" else None, **result}
+      if "wall_s" in result and "error" not in result:
+        row["events_per_s"] = round(events / result["wall_s"])
+      rows.append(row)
+      print(json.dumps({k: v for k, v in row.items() if k != "stdout"}), flush=True)
+    if "memory" in engines:
+      same = _hashes(work / f"out-{name}-duckdb") == _hashes(work / f"out-{name}-memory")
+      rows[-len(engines)]["identical_to_memory"] = same
+      print(f"{name}: duckdb folder byte-identical to memory: {same}", flush=True)
+    for engine in engines:
+      shutil.rmtree(work / f"out-{name}-{engine}", ignore_errors=True)
+      pathlib.Path(str(work / f"out-{name}-{engine}") + ".parquet").unlink(missing_ok=True)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps({"machine": f"{os.cpu_count()} cores", "rows": rows},
+                                   indent=2) + "\n")
+  print("| events | ids | engine | wall s | peak RSS GiB | spill GiB | events/s |")
+  print("|---|---|---|---|---|---|---|")
+  for row in rows:
+    print(f"| {row['events']:,} | {'str' if row['strings'] else 'int'} | {row['engine']} | "
+          f"{row.get('wall_s')} | {row.get('peak_rss_gib')} | {row.get('spill_gib')} | "
+          f"{row.get('events_per_s', row.get('error'))} |")
+  plot(rows, out_path.with_suffix(".png"))
+  return 0
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+  """Peak RSS against events, one line per engine (int ids)."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    print("matplotlib missing: no plot")
+    return
+  figure, axis = plt.subplots(figsize=(6, 4))
+  for engine in ("memory", "duckdb", "polars"):
+    points = sorted((r["events"], r["peak_rss_gib"]) for r in rows
+                    if r["engine"] == engine and not r["strings"] and "peak_rss_gib" in r)
+    if points:
+      axis.plot(*zip(*points), marker="o", label=engine)
+  axis.set_xscale("log")
+  axis.set_xlabel("events")
+  axis.set_ylabel("peak RSS (GiB)")
+  axis.set_title("trainer.data preparation, 2 cores")
+  axis.grid(True, alpha=0.3)
+  axis.legend()
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
