@@ -257,3 +257,12 @@ def test_gs_raw_files_and_prepared_shards(fake_gcs, tmp_path, capsys):
   folder = prepare.prepare_dataset("files", f"{BUCKET}/again",
                                    source_options=dict(path=f"{BUCKET}/raw", **COLUMNS))
   assert folder["num_interactions"] == ref.manifest["num_interactions"]
+
+
+def test_yambda5b_preset_checks_on_its_slice():
+  from configs import yambda5b_v6e16  # pylint: disable=import-outside-toplevel
+  config = yambda5b_v6e16.get_config()
+  config_schema.check(config, config_schema.Context(device_count=16, process_count=4))
+  assert config.data.prepare_shards % 4 == 0
+  assert engine.parse_memory_limit(config.data.prepare_memory_limit) == 64 * 10**9
+  assert config.mesh.shape[0] * config.mesh.shape[1] == 16
