@@ -272,7 +272,7 @@ def test_console_scripts_point_at_the_commands():
   with open(os.path.join(ROOT, "pyproject.toml"), "rb") as file:
     scripts = tomllib.load(file)["project"]["scripts"]
   assert set(scripts) == {"cutbce-train", "cutbce-data", "cutbce-evaluate", "cutbce-recommend",
-                          "cutbce-export"}
+                          "cutbce-export", "cutbce-compile"}
   import importlib  # pylint: disable=import-outside-toplevel
   for target in scripts.values():
     module, function = target.split(":")
