@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all train bench clean
+.PHONY: install test test-all test-gpu train bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,19 @@ WORKDIR ?= runs/ml1m_cpu
 train: install
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m trainer.main \
 	  --config=configs/ml1m_cpu.py --workdir=$(WORKDIR)
+
+# The GPU kernels compiled for H100 / H200 with no GPU attached: jax's CUDA
+# plugin (the gpu extra, about 5.5 GB) in its own venv, then the GPU tests.
+VENV_GPU ?= .venv-gpu
+$(VENV_GPU)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV_GPU)
+	$(VENV_GPU)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_GPU)/bin/python -m pip install --quiet -e '.[test,gpu]'
+	touch $@
+
+test-gpu: $(VENV_GPU)/.installed
+	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 $(VENV_GPU)/bin/python -m pytest -q $(PYTEST_ARGS) \
+	  tests/cutbce/kernels/test_gpu.py tests/cutbce/kernels/test_gpu_compile.py
 
 bench: install
 	$(PY) benchmarks/loss_bench.py

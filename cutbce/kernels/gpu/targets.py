@@ -160,3 +160,50 @@ def compile_devices(name: str):
       platform="cuda", target_config=TARGET_CONFIGS[check_target(name)], topology="1x1x1",
   )
   return tuple(topology.devices)
+
+
+def triton_kernels(compiled) -> list[str]:
+  """Names of the Pallas Triton kernels in a compiled program (`cutbce_gpu_..._bt.._bv..`)."""
+  names = []
+  for line in compiled.as_text().splitlines():
+    if "__gpu$xla.gpu.triton" in line:
+      match = re.search(r"(cutbce_gpu_\w+)/pallas_call", line)
+      names.append(match.group(1) if match else "?")
+  return names
+
+
+def compile_loss(target: str, backend: str, *, tokens: int, vocab: int, dim: int, dtype,
+                 num_targets: int = 1, bias: bool = False, num_exclude: int = 0,
+                 num_items: int | None = None, reduction: str = "mean", ranks: bool = False,
+                 **options):
+  """`jit(value_and_grad(cut_bce))` (or `target_ranks`) compiled for one GPU of `target`.
+
+  Nothing runs: inputs are `ShapeDtypeStruct`s on the topology's device, the
+  GPU kernels are planned for `target`. Returns the compiled program
+  (`.memory_analysis()`, `.as_text()`).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import cutbce  # pylint: disable=g-import-not-at-top
+  from cutbce.kernels.gpu import plan as gpu_plan  # pylint: disable=g-import-not-at-top
+
+  sharding = jax.sharding.SingleDeviceSharding(compile_devices(target)[0])
+  spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+  args = [spec((tokens, dim), dtype), spec((vocab, dim), dtype),
+          spec((tokens, num_targets), jnp.int32),
+          spec((vocab,), jnp.float32) if bias else None,
+          spec((tokens, num_exclude), jnp.int32) if num_exclude else None]
+  common = dict(num_items=num_items, backend=backend)
+
+  def loss(hidden, table, targets_, bias_, exclude):
+    def scalar(h, e, b):
+      return jnp.sum(cutbce.cut_bce(h, e, targets_, bias=b, exclude=exclude,
+                                    reduction=reduction, **common, **options))
+    return jax.value_and_grad(scalar, argnums=(0, 1, 2) if bias_ is not None else (0, 1))(
+        hidden, table, bias_)
+
+  def rank(hidden, table, targets_, bias_, exclude):
+    return cutbce.target_ranks(hidden, table, targets_, bias=bias_, exclude=exclude, **common)
+
+  with gpu_plan.target_gpu(target):
+    return jax.jit(rank if ranks else loss).lower(*args).compile()
