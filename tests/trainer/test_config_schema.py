@@ -239,9 +239,10 @@ RULE_BREAKERS = {
         _SETUPS[("data.dataset", "files")](config, tmp_path),
         config["data"]["source_options"].update(filter="played=5"), EIGHT)[-1],
     "prepared_dir_matches": _prepared_otherwise,
+    "memory_limit_parses": _set_all(data__prepare_memory_limit="lots"),
     "per_host_folder_is_local": _set_all(data__prepare_per_host=True),
     "process_placeholder_needs_per_host": _set_all(data__prepared_dir="/data/prepared-{process}"),
-    "softmax_ce_has_no_variants": _set_all(loss__kind="softmax_ce", loss__label_smoothing=0.1),
+    "softmax_ce_has_no_variants": _set_all(loss__kind="softmax_ce", loss__focal_gamma=2.0),
     "best_metric_is_evaluated": _set_all(checkpoint__best_metric="ndcg@7"),
 }
 
