@@ -94,8 +94,8 @@ def get_config() -> ml_collections.ConfigDict:
   # l_t is divided by V ("mean") or not ("sum").
   config.loss = ml_collections.ConfigDict()
   # "bce": full-catalog multi-label BCE (`cut_bce`, everything below applies);
-  # "softmax_ce": the dense full softmax cross-entropy, a baseline to compare
-  # with (`trainer.train.dense_softmax_ce`; no variants, V x tokens logits).
+  # "softmax_ce": the full softmax cross-entropy (`cutbce.cut_softmax_ce`, the
+  # same backends; of the variants only label_smoothing applies).
   config.loss.kind = "bce"
   config.loss.backend = "auto"
   config.loss.vocab_reduction = "sum"

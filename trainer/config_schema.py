@@ -147,7 +147,7 @@ KEYS: tuple[schema.Key, ...] = (
     key("data.split_options.gap", INT, at_least(0), "gap before each window", when=_GTS,
         required=False),
     key("loss.kind", STR, one_of("bce", "softmax_ce"), "the loss: full-catalog BCE "
-        "(`cut_bce`) or the dense full softmax cross-entropy baseline"),
+        "(`cut_bce`) or full-catalog softmax cross-entropy (`cut_softmax_ce`)"),
     key("loss.backend", STR, one_of(*BACKEND_CHOICES), "`cutbce` backend of the loss"),
     key("loss.vocab_reduction", STR, one_of("mean", "sum"), "l_t divided by V (mean) or not"),
     key("loss.pos_weight", FLOAT, above(0), "weight of positive labels (None: 1)",
@@ -314,13 +314,12 @@ def _softmax_ce_has_no_variants(values, context):
   del context
   if values["loss.kind"] != "softmax_ce":
     return None
-  default = {"loss.label_smoothing": 0.0}
-  on = [k for k in ("loss.pos_weight", "loss.label_smoothing", "loss.logit_soft_cap",
-                    "loss.focal_gamma", "loss.focal_alpha")
-        if values[k] is not None and values[k] != default.get(k)]
+  on = [k for k in ("loss.pos_weight", "loss.logit_soft_cap", "loss.focal_gamma",
+                    "loss.focal_alpha")
+        if values[k] is not None]
   if on:
     return (f"'bce' to use {', '.join('config.' + k for k in on)} (BCE variants; "
-            "the softmax cross-entropy takes none)")
+            "the softmax cross-entropy takes only loss.label_smoothing)")
   return None
 
 
@@ -517,7 +516,7 @@ RULES: tuple[Rule, ...] = (
          keys=("loss.kind", "loss.pos_weight", "loss.label_smoothing", "loss.logit_soft_cap",
                "loss.focal_gamma", "loss.focal_alpha"),
          check=_softmax_ce_has_no_variants,
-         doc="`loss.kind=\"softmax_ce\"` takes none of the BCE variants"),
+         doc="`loss.kind=\"softmax_ce\"` takes no BCE variant but label smoothing"),
     Rule(name="best_metric_is_evaluated", keys=("checkpoint.best_metric", "eval.ks"),
          check=_best_metric_is_evaluated,
          doc="`checkpoint.best_metric` is a metric the evaluation computes (k in `eval.ks`)"),

@@ -10,8 +10,9 @@ confusion counts of `cut_bce(..., return_stats=True)`).
 Shardings: the batch is split on its leading axis over `mesh.token_axes`; the
 item table (and its optimizer moments) by rows over `mesh.vocab_axis`;
 everything else replicated. The loss is `cutbce.sharding.sharded_cut_bce`
-(`config.loss.kind="bce"`), or, as a baseline to compare against,
-`dense_softmax_ce`: the full-catalog softmax cross-entropy with dense logits.
+(`config.loss.kind="bce"`), or the full-catalog softmax cross-entropy
+`cutbce.sharding.sharded_cut_softmax_ce` (`"softmax_ce"`; with
+`loss.backend="dense"` the dense-logits reference `cutbce.dense_softmax_ce`).
 
 Dropout keys are `fold_in(key(seed), step)`, so the state holds no random
 state and a resumed run draws exactly the masks of an uninterrupted one.
@@ -29,9 +30,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from cutbce import inputs as cutbce_inputs
 from cutbce import sharding as cutbce_sharding
-from cutbce import sparse as cutbce_sparse
 from trainer import model as model_lib
 
 TrainState = dict  # {"step": int32 [], "params": dict, "opt_state": optax state}
@@ -116,7 +115,7 @@ class StepSettings(NamedTuple):
   seed: int
   backend: str
   vocab_reduction: str
-  loss_kind: str = "bce"  # "bce" (`sharded_cut_bce`) or "softmax_ce" (`dense_softmax_ce`)
+  loss_kind: str = "bce"  # "bce" (`sharded_cut_bce`) or "softmax_ce" (`sharded_cut_softmax_ce`)
   # Loss variants of `cutbce.cut_bce` (config.loss); the defaults are plain BCE.
   pos_weight: float | None = None
   label_smoothing: float = 0.0
@@ -136,55 +135,16 @@ def loss_variants(loss_config) -> dict:
   return {name: loss_config.get(name, defaults[name]) for name in LOSS_VARIANTS}
 
 
-def dense_softmax_ce(hidden, table, targets, weights, *, bias=None, num_items=None):
-  """Full-catalog softmax cross-entropy with several targets per position.
-
-  The baseline the BCE trainer is compared with (SASRec trained with the full
-  softmax): `l_t = sum_j -log softmax(x_t)[y_tj]` over the distinct valid
-  targets of position t (ids outside `[0, num_items)` are padding; an id
-  repeated in a row counts once, as in `cut_bce`), reduced as `cut_bce`'s
-  "mean": `sum_t w_t l_t / sum_t w_t`. Rows of the table at or past
-  `num_items` are never in the softmax. The `[..., V]` logits are dense
-  (float32): affordable for catalogs of thousands of items, not millions.
-  Under `jax.jit` with sharded inputs, XLA partitions it.
-
-  Returns:
-    `(loss, stats)`: the scalar loss and `cutbce.Stats`, the weighted
-    confusion counts at logit > 0, defined as `cut_bce`'s.
-  """
-  vocab = table.shape[0]
-  num_items = vocab if num_items is None else num_items
-  dim, labels = hidden.shape[-1], targets.shape[-1]
-  logits = jnp.einsum("td,vd->tv", hidden.reshape(-1, dim).astype(jnp.float32),
-                      table.astype(jnp.float32))
-  if bias is not None:
-    logits = logits + bias.astype(jnp.float32)
-  item = jnp.arange(vocab) < num_items
-  logits = jnp.where(item, logits, -jnp.inf)
-  log_z = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-  # `cut_bce`'s own target ids: valid, deduplicated (keep), padding set to id 0.
-  ids = cutbce_sparse.prepare_ids(targets.reshape(-1, labels), None, num_items)
-  keep = ids.target_mask
-  picked = jnp.take_along_axis(logits, ids.target_ids, axis=-1)
-  per_token = jnp.sum(jnp.where(keep, log_z - picked, 0.0), axis=-1)
-  weights = jnp.asarray(weights, jnp.float32).reshape(-1)
-  loss = cutbce_inputs.reduce_weighted(per_token, weights, "mean", 1)
-  # Kept targets are distinct items, so the counts need no [..., V] label array.
-  num_targets = jnp.sum(keep, axis=-1)
-  tp = jnp.sum(keep & (picked > 0), axis=-1)
-  predicted = jnp.sum(logits > 0, axis=-1)  # padding rows are -inf
-  counts = (tp, predicted - tp, num_targets - tp, num_items - num_targets - (predicted - tp))
-  stats = cutbce_inputs.weighted_stats(counts, weights)
-  return loss, stats
-
-
 def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings):
   model = nnx.merge(graphdef, params)
   hidden = model(batch["inputs"], deterministic=False, rngs=nnx.Rngs(dropout=dropout_key))
   table = model.item_table  # [V_padded, D]: rows past num_items split the table evenly
   if settings.loss_kind == "softmax_ce":
-    return dense_softmax_ce(hidden, table, batch["targets"], batch["weights"],
-                            bias=model.output_bias, num_items=settings.num_items)
+    return cutbce_sharding.sharded_cut_softmax_ce(
+        hidden, table, batch["targets"], batch["weights"], mesh=settings.mesh,
+        token_axes=settings.token_axes, vocab_axis=settings.vocab_axis,
+        bias=model.output_bias, num_items=settings.num_items,
+        label_smoothing=settings.label_smoothing, return_stats=True, backend=settings.backend)
   loss, stats = cutbce_sharding.sharded_cut_bce(
       hidden, table, batch["targets"], batch["weights"], mesh=settings.mesh,
       token_axes=settings.token_axes, vocab_axis=settings.vocab_axis,

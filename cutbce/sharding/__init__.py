@@ -3,9 +3,10 @@
 from cutbce.sharding.hlo import CollectiveReport, collective_report
 from cutbce.sharding.layout import Layout
 from cutbce.sharding.shard_map import sharded_cut_bce, sharded_target_ranks
+from cutbce.sharding.softmax import sharded_cut_softmax_ce
 from cutbce.sharding.topk import sharded_top_k
 
 __all__ = [
-    "sharded_cut_bce", "sharded_target_ranks", "sharded_top_k", "collective_report",
+    "sharded_cut_bce", "sharded_cut_softmax_ce", "sharded_target_ranks", "sharded_top_k", "collective_report",
     "CollectiveReport", "Layout",
 ]

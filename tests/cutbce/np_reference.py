@@ -131,3 +131,48 @@ def ranks(hidden, table, targets, *, bias=None, exclude=None, num_items=None, lo
       # Items strictly larger: position of the first value <= x in descending order.
       out[row, k] = 1 + np.searchsorted(-ordered, -x[row, item], side="left")
   return out.reshape(targets.shape)
+
+
+def softmax_ce(hidden, table, targets, weights=None, bias=None, exclude=None, num_items=None,
+               reduction="mean", label_smoothing=0.0, target_reduction="sum"):
+  """`cut_softmax_ce` in float64, token by token: (loss, (dh, dE, db), (tp, fp, fn, tn)).
+
+  l_t = -sum_{v in S_t} q_tv log softmax_S(x_t)_v with the target
+  distribution q_tv = (1 - e) r [v in P_t] + e k [v in S_t] / |S_t|
+  ((k, r) = (n_t, 1) summing over targets, (1, 1/n_t) averaging); its
+  gradient in x_tv is k p_tv - q_tv.
+  """
+  h = np.asarray(hidden, np.float64).reshape(-1, np.shape(hidden)[-1])
+  e = np.asarray(table, np.float64)
+  vocab = e.shape[0]
+  y = np.asarray(targets).reshape(h.shape[0], -1)
+  ex = None if exclude is None else np.asarray(exclude).reshape(h.shape[0], -1)
+  w = np.ones(h.shape[0]) if weights is None else np.asarray(weights, np.float64).reshape(-1)
+  logits = h @ e.T + (0.0 if bias is None else np.asarray(bias, np.float64))
+  labels, in_softmax = _masks(y, ex, vocab, num_items)
+  losses, d_logits, counts = np.zeros(h.shape[0]), np.zeros_like(logits), np.zeros(4)
+  for t in range(h.shape[0]):
+    if w[t] == 0:
+      continue
+    items = np.flatnonzero(in_softmax[t])
+    x = logits[t, items]
+    top = x.max()
+    log_z = top + np.log(np.exp(x - top).sum())
+    p = np.exp(x - log_z)
+    n = labels[t].sum()
+    k, r = (n, 1.0) if target_reduction == "sum" else (float(n > 0), 1.0 / max(n, 1))
+    q = (1 - label_smoothing) * r * labels[t, items] + label_smoothing * k / len(items)
+    losses[t] = -(q * (x - log_z)).sum()
+    d_logits[t, items] = w[t] * (k * p - q)
+    predicted, positive = logits[t] > 0, labels[t]
+    counted = in_softmax[t]
+    counts += w[t] * np.array([np.sum(counted & predicted & positive),
+                               np.sum(counted & predicted & ~positive),
+                               np.sum(counted & ~predicted & positive),
+                               np.sum(counted & ~predicted & ~positive)])
+  total = float(np.sum(w * losses))
+  if reduction == "mean":
+    scale = 1.0 / w.sum() if w.sum() else 0.0
+    total, d_logits = total * scale, d_logits * scale
+  grads = (d_logits @ e).reshape(np.shape(hidden)), d_logits.T @ h, d_logits.sum(0)
+  return total, grads, counts

@@ -348,7 +348,9 @@ _CLI_OTHER_CHECKS = {"out": "required", "yambda_path": "rule yambda_folder_exist
                      "user_col": "rule files_user_col_given",
                      "item_col": "rule files_item_col_given",
                      "time_col": "rule files_time_col_given",
-                     "filter": "rule files_filter_parses"}
+                     "filter": "rule files_filter_parses",
+                     "memory_limit": "rule memory_limit_parses (test_data_engine.py)",
+                     "temp_dir": "any local folder (created when missing)"}
 CLI_CASES = [(k.path, v) for k in data_cli.FLAG_KEYS for v in _cli_bad_values(k)]
 
 
