@@ -359,6 +359,8 @@ def prepare_scan(scan: files_lib.FileScan, out: str | os.PathLike, *, dataset: s
   split_options = dict(split_options or {})
   if split == "gts":  # checked before anything is read
     splits.gts_boundaries(0, **split_options)
+  if temp_dir is not None:
+    os.makedirs(temp_dir, exist_ok=True)
   work = tempfile.mkdtemp(prefix="cutbce-prepare-", dir=temp_dir)
   try:
     connection = duckdb.connect(os.path.join(work, "prepare.duckdb"))
