@@ -175,11 +175,12 @@ def triton_kernels(compiled) -> list[str]:
 def compile_loss(target: str, backend: str, *, tokens: int, vocab: int, dim: int, dtype,
                  num_targets: int = 1, bias: bool = False, num_exclude: int = 0,
                  num_items: int | None = None, reduction: str = "mean", ranks: bool = False,
-                 **options):
+                 plan=None, **options):
   """`jit(value_and_grad(cut_bce))` (or `target_ranks`) compiled for one GPU of `target`.
 
   Nothing runs: inputs are `ShapeDtypeStruct`s on the topology's device, the
-  GPU kernels are planned for `target`. Returns the compiled program
+  GPU kernels are planned for `target` (the XLA path plans for the host
+  unless `plan` is given). Returns the compiled program
   (`.memory_analysis()`, `.as_text()`).
   """
   import jax  # pylint: disable=g-import-not-at-top
@@ -193,7 +194,7 @@ def compile_loss(target: str, backend: str, *, tokens: int, vocab: int, dim: int
           spec((tokens, num_targets), jnp.int32),
           spec((vocab,), jnp.float32) if bias else None,
           spec((tokens, num_exclude), jnp.int32) if num_exclude else None]
-  common = dict(num_items=num_items, backend=backend)
+  common = dict(num_items=num_items, backend=backend, plan=plan)
 
   def loss(hidden, table, targets_, bias_, exclude):
     def scalar(h, e, b):

