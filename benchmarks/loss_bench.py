@@ -21,6 +21,7 @@ versa). `--topk` adds the top-k rows of
 
     python benchmarks/loss_bench.py                     # the issue's sweep
     python benchmarks/loss_bench.py --vocab 16384 --repeats 2 --no-plot   # quick
+    python benchmarks/loss_bench.py --softmax --out docs/results   # softmax CE vs BCE
 
 Prints a table and writes JSON (and a PNG with --plot) under --out.
 """
@@ -143,7 +144,13 @@ def main():
   parser.add_argument("--topk-vocab", type=int, default=1_048_576)
   parser.add_argument("--topk-k", type=int, default=100)
   parser.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True)
+  parser.add_argument("--softmax", action="store_true",
+                      help="only race softmax CE: dense, cut, and cut BCE beside them")
+  parser.add_argument("--softmax-vocab", type=int, nargs="+", default=[131_072, 1_048_576])
   args = parser.parse_args()
+  if args.softmax:
+    softmax_compare(args)
+    return
 
   dtype = jnp.dtype(args.dtype)
   tokens = args.batch * args.seq
@@ -222,6 +229,53 @@ def main():
   print(f"wrote {path}")
   if args.plot:
     plot(rows, os.path.join(args.out, f"loss_bench_{args.dtype}.png"))
+
+
+def softmax_compare(args):
+  """fwd+bwd of dense softmax CE, cut softmax CE and cut BCE (one pass), side by side.
+
+  The cut CE has no one-pass form (p_tv needs lse_t, known after the sweep):
+  a forward sweep (1 GEMM per tile) and a backward sweep (3 GEMMs), against
+  one-pass BCE's 3 GEMMs in one sweep.
+  """
+  dtype = jnp.dtype(args.dtype)
+  tokens = args.batch * args.seq
+  print(f"softmax CE: T={tokens} D={args.dim} L={args.targets} {args.dtype} fwd+bwd, "
+        f"jax {jax.__version__}, {os.cpu_count()} cores", flush=True)
+  print(f"{'V':>10} {'dense CE s':>10} {'dense MiB':>10} {'cut CE s':>9} {'cut CE MiB':>10} "
+        f"{'cut BCE s':>9} {'BCE MiB':>8} {'CE/dense':>8} {'CE/BCE':>7}")
+  grad = lambda f: jax.value_and_grad(f, argnums=(0, 1))  # noqa: E731
+  rows = []
+  for vocab in args.softmax_vocab:
+    operands = make_inputs(args.batch, args.seq, args.dim, vocab, args.targets, dtype)
+    plan = xla_kernels.default_plan("forward", tokens, vocab, args.dim, dtype)
+    ops = {
+        "cut_ce": lambda h, e, t: cutbce.cut_softmax_ce(h, e, t, backend="xla", plan=plan),
+        "cut_bce": lambda h, e, t: cutbce.cut_bce(h, e, t, backend="xla", plan=plan),
+        "dense_ce": lambda h, e, t: cutbce.dense_softmax_ce(h, e, t),
+    }
+    contenders, row = {}, dict(vocab=vocab, block_v=plan.block_v)
+    for name, op in ops.items():
+      compiled, row[f"{name}_temp_bytes"] = compile_with_temp(grad(op), operands)
+      if name != "dense_ce" or row[f"{name}_temp_bytes"] <= args.dense_limit_gib * 2**30:
+        contenders[name] = compiled
+    for name, seconds in interleaved_min_times(contenders, operands, args.repeats).items():
+      row[f"{name}_seconds"] = seconds
+    rows.append(row)
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    dense_s = row.get("dense_ce_seconds")
+    print(f"{vocab:>10} {fmt(dense_s, '10.3f')} {row['dense_ce_temp_bytes'] / 2**20:10.1f} "
+          f"{row['cut_ce_seconds']:9.3f} {row['cut_ce_temp_bytes'] / 2**20:10.1f} "
+          f"{row['cut_bce_seconds']:9.3f} {row['cut_bce_temp_bytes'] / 2**20:8.1f} "
+          f"{fmt(None if dense_s is None else row['cut_ce_seconds'] / dense_s, '8.3f')} "
+          f"{row['cut_ce_seconds'] / row['cut_bce_seconds']:7.3f}", flush=True)
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, f"softmax_bench_{args.dtype}.json")
+  with open(path, "w") as f:
+    json.dump(dict(config=dict(vars(args), tokens=tokens), jax=jax.__version__,
+                   machine=dict(platform=platform.platform(), cores=os.cpu_count()),
+                   rows=rows), f, indent=2)
+  print(f"wrote {path}")
 
 
 def plot(rows, path):
