@@ -44,15 +44,13 @@ from cutbce import inputs, reference, sparse
 from cutbce.kernels.tiling import TilePlan
 
 TARGET_REDUCTIONS = ("sum", "mean")
-# Kernel sets with the softmax entry points (`softmax_forward`, `softmax_backward`).
-SOFTMAX_BACKENDS = ("xla",)
 
 
 class SoftmaxCall(NamedTuple):
   """Everything static one tiled softmax call is traced with (hashable).
 
   Attributes:
-    backend: a kernel set with the softmax entry points ("xla").
+    backend: a kernel set with the softmax entry points ("xla", "pallas_tpu", "auto").
     plan: a `TilePlan`, or None for the kernel's own plan.
     with_counts: also return per-token confusion counts (logit > 0).
     label_smoothing: e in [0, 1].
@@ -247,19 +245,37 @@ def _per_token_bwd(call: SoftmaxCall, residuals, cotangents):
 _per_token.defvjp(_per_token_fwd, _per_token_bwd)
 
 
-def softmax_backend(backend: str, flat: inputs.Flat | None = None, plan=None) -> str:
-  """The backend a softmax call runs: "dense", or a kernel set with softmax kernels.
+def softmax_backend(backend: str, flat: inputs.Flat, plan=None) -> str:
+  """The backend a softmax call runs: "dense", or a kernel set with the softmax kernels.
 
-  "auto", "pallas_tpu" and any set without the softmax entry points run the
-  XLA path (the Pallas kernels have no softmax variant yet; the XLA path is
-  what "auto" picks for them, on every platform).
+  "auto" resolves as for `cut_bce` (`api.resolve_backend`: the Pallas TPU
+  kernels where they take the inputs, chosen when the program is lowered),
+  and to the XLA path where they do not, or where a row holds more excluded
+  ids than the TPU kernels compare per tile (`tpu.MAX_SOFTMAX_EXCLUDE`).
+  Kernel sets without softmax kernels ("pallas_gpu") run the XLA path.
+
+  Raises:
+    NotImplementedError: "pallas_tpu" named for inputs its kernels cannot take.
   """
   from cutbce import api  # pylint: disable=g-import-not-at-top
   inputs.check_choice("backend", backend, api.BACKEND_CHOICES)
-  del flat, plan
   if backend == "dense":
     return "dense"
-  return backend if backend in SOFTMAX_BACKENDS else "xla"
+  resolved = api.resolve_backend(backend, flat, plan)
+  if resolved in ("pallas_tpu", "auto"):
+    from cutbce.kernels import tpu  # pylint: disable=g-import-not-at-top
+    width = 0 if flat.exclude is None else flat.exclude.shape[-1]
+    if width > tpu.MAX_SOFTMAX_EXCLUDE:
+      if backend == "pallas_tpu":
+        raise NotImplementedError(
+            f"backend 'pallas_tpu' compares at most {tpu.MAX_SOFTMAX_EXCLUDE} excluded ids per "
+            f"position in its softmax kernels, got exclude of width {width}")
+      return "xla"
+  if resolved != "xla":
+    api.check_backend_supports(resolved, flat, plan)
+  if not hasattr(api.kernel_module(resolved), "softmax_forward"):
+    return "xla"
+  return resolved
 
 
 def check_options(target_reduction, label_smoothing):
@@ -300,9 +316,10 @@ def cut_softmax_ce(hidden, table, targets, weights=None, *, bias=None, exclude=N
     target_reduction: "sum" or "mean" over a position's targets.
     return_stats: also return `cutbce.Stats`, the weighted confusion counts
       at logit > 0 as `cut_bce` defines them.
-    backend: "auto" and "xla" (the tiled XLA path, on every platform: the
-      Pallas kernels have no softmax variant yet, so "pallas_tpu" runs it
-      too), or "dense" (`cutbce.dense_softmax_ce`, the materializing
+    backend: as in `cut_bce`: "auto" (the Pallas TPU softmax kernels when
+      lowered for TPU, the tiled XLA path elsewhere), "xla", "pallas_tpu"
+      (Pallas' interpreter off-TPU), "pallas_gpu" (no softmax kernel yet: the
+      XLA path), or "dense" (`cutbce.dense_softmax_ce`, the materializing
       reference).
 
   Returns:

@@ -38,6 +38,8 @@ forward = functools.partial(_choose, "forward")
 backward = functools.partial(_choose, "backward")
 rank_counts = functools.partial(_choose, "rank_counts")
 forward_backward = functools.partial(_choose, "forward_backward")
+softmax_forward = functools.partial(_choose, "softmax_forward")
+softmax_backward = functools.partial(_choose, "softmax_backward")
 
 
 def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype, num_targets: int = 1):

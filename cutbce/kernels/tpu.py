@@ -47,6 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 from cutbce import variants
 from cutbce.kernels import tiling
 from cutbce.kernels.tiling import TilePlan
+from cutbce.kernels.xla import SOFTMAX_FLOOR
 from cutbce.variants import LossOptions
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -199,7 +200,8 @@ def _extra_logit_tiles(options: LossOptions) -> int:
 
 
 def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
-                 num_targets: int = 1, options: LossOptions = variants.PLAIN) -> TilePlan:
+                 num_targets: int = 1, options: LossOptions = variants.PLAIN,
+                 extra_logit_tiles: int | None = None) -> TilePlan:
   """`tiling.plan_tiles` of one kernel for the attached TPU (the default chip off-TPU).
 
   Raises:
@@ -212,7 +214,8 @@ def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
   try:
     return tiling.plan_tiles(
         num_tokens, vocab, dim, dtype, kernel=kernel, num_targets=num_targets,
-        extra_logit_tiles=_extra_logit_tiles(options),
+        extra_logit_tiles=(_extra_logit_tiles(options) if extra_logit_tiles is None
+                           else extra_logit_tiles),
     )
   except ValueError as error:
     raise NotImplementedError(str(error)) from error
@@ -237,7 +240,8 @@ class _Geometry(NamedTuple):
 
 
 def _geometry(plan: TilePlan | None, hidden, table, kernel: str, num_targets: int = 0, *,
-              num_items: int | None = None, options: LossOptions = variants.PLAIN) -> _Geometry:
+              num_items: int | None = None, options: LossOptions = variants.PLAIN,
+              softmax: "_Softmax | None" = None) -> _Geometry:
   """Clamps `plan` to the shapes, checks layout legality and the VMEM estimate.
 
   With `plan=None` the kernel plans for itself (`default_plan` of `kernel`).
@@ -249,11 +253,12 @@ def _geometry(plan: TilePlan | None, hidden, table, kernel: str, num_targets: in
   num_tokens, (rows, dim) = hidden.shape[0], table.shape
   vocab = rows if num_items is None else num_items
   itemsize = hidden.dtype.itemsize
-  extra_tiles = _extra_logit_tiles(options)
+  extra_tiles = _extra_logit_tiles(options) if softmax is None else SOFTMAX_EXTRA_TILES
   if plan is None or plan.block_t is None or plan.token_chunk is None or plan.vmem_limit_bytes is None:
     # Fields left None are taken from the planner's plan of this kernel.
     planned = default_plan(kernel, num_tokens, vocab, dim, hidden.dtype,
-                           num_targets=max(num_targets, 1), options=options)
+                           num_targets=max(num_targets, 1), options=options,
+                           extra_logit_tiles=extra_tiles)
     plan = plan or planned
     block_t = plan.block_t or planned.block_t
     plan = TilePlan(
@@ -472,10 +477,15 @@ def _forward(hidden, table, bias, *, plan, with_counts, options, num_items, inte
 
 
 def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
-                     options: LossOptions, with_loss: bool, with_counts: bool):
+                     options: LossOptions, with_loss: bool, with_counts: bool,
+                     softmax: "_Softmax | None" = None):
   refs = list(refs)
   hidden_ref = refs.pop(0)  # [chunk, D]
   scale_ref = refs.pop(0)  # [chunk, 1] f32, g_t
+  # Softmax CE: lse_t, the excluded ids and the shard's real rows (see _Softmax).
+  log_z_ref = refs.pop(0) if softmax else None  # [chunk, 1] f32
+  exclude_ref = refs.pop(0) if softmax and softmax.num_exclude else None  # [chunk, E] int32
+  valid_rows_ref = refs.pop(0) if softmax and softmax.valid_rows else None  # [1, 1] int32
   table_ref = refs.pop(0)  # [block_v, D]
   bias_ref = refs.pop(0) if has_bias else None  # [1, block_v] f32
   table_grad_in_ref = refs.pop(0)  # [block_v, D] f32, the given (sparse) part
@@ -499,6 +509,8 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
 
   table = _table_tile(table_ref, vocab_index, geom)  # [block_v, D]
   valid = _column_ids(vocab_index, geom) < geom.vocab if geom.ragged_vocab else None
+  if softmax:
+    valid = _softmax_columns(vocab_index, geom, valid_rows_ref)
   table_grad_ref[...] = table_grad_in_ref[...]
   if has_bias:
     bias_grad_ref[...] = bias_grad_in_ref[...]
@@ -514,8 +526,14 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
       scale = jnp.where(row_ok, scale, 0.0)
     logits = _tile_logits(hidden, table, bias_ref)  # [block_t, block_v] f32
     # d l_t / d x_tv of the dense background is phi'(x_tv) (sigmoid for
-    # plain BCE), times g_t.
-    if with_loss:
+    # plain BCE), times g_t; for the softmax, p_tv = exp(x_tv - lse_t).
+    if softmax:
+      keep = _softmax_keep(vocab_index, geom, valid, exclude_ref, rows, softmax)
+      log_z = log_z_ref[rows, :]  # [block_t, 1]
+      if valid_rows is not None:
+        log_z = jnp.where(row_ok, log_z, 0.0)  # garbage rows past T: finite, scale 0
+      derivative = jnp.where(keep, jnp.exp(jnp.where(keep, logits - log_z, 0.0)), 0.0)
+    elif with_loss:
       value, derivative = variants.tile_value_and_grad(options, logits)
       if valid is not None:
         value = jnp.where(valid, value, 0.0)
@@ -529,7 +547,7 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
     else:
       derivative = variants.tile_grad(options, logits)
     grad = scale * derivative  # [block_t, block_v] f32
-    if valid is not None:
+    if valid is not None and not softmax:
       grad = jnp.where(valid, grad, 0.0)
     grad_mxu = grad.astype(compute_dtype)
     hidden_grad_ref[rows, :] += lax.dot(
@@ -571,11 +589,13 @@ def forward_backward(hidden, table, bias, scale, table_grad, bias_grad, *,
               options=options, num_items=num_items, with_loss=True, with_counts=with_counts)
 
 
-def _backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, num_items,
-              with_loss, with_counts, interpret):
+def _backward(hidden, table, bias, scale, table_grad, bias_grad, log_z=None, exclude_ids=None,
+              valid_rows=None, *, plan, options, num_items, with_loss, with_counts, interpret,
+              softmax=None):
   _check_supported(hidden, table, plan)
   hidden, table = _common_dtype(hidden, table)
-  geom = _geometry(plan, hidden, table, "backward", num_items=num_items, options=options)
+  geom = _geometry(plan, hidden, table, "backward", num_items=num_items, options=options,
+                   softmax=softmax)
   num_tokens, dim = hidden.shape
   vocab = table.shape[0]
   has_bias = bias is not None
@@ -602,7 +622,13 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan, option
         pl.BlockSpec((geom.chunk, 1), hidden_index_map),
         pl.BlockSpec((geom.block_v, dim), table_index_map),
     ]
-    operands = [hidden, scale, table]
+    operands = [hidden, scale]
+    if softmax:
+      softmax_specs, softmax_operands = _softmax_inputs(
+          geom, softmax, hidden_index_map, lambda tile: (0, 0), exclude_ids, valid_rows)
+      in_specs[2:2] = [pl.BlockSpec((geom.chunk, 1), hidden_index_map)] + softmax_specs
+      operands += [log_z.astype(jnp.float32).reshape(num_tokens, 1)] + softmax_operands
+    operands.append(table)
     if has_bias:
       in_specs.append(pl.BlockSpec((1, geom.block_v), bias_index_map))
       operands.append(bias_row)
@@ -635,7 +661,7 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan, option
     outputs = pl.pallas_call(
         functools.partial(
             _backward_kernel, geom=geom, rows_in_chunk=rows_in_chunk, has_bias=has_bias,
-            options=options, with_loss=with_loss, with_counts=with_counts,
+            options=options, with_loss=with_loss, with_counts=with_counts, softmax=softmax,
         ),
         grid=(geom.num_vocab_tiles,),
         in_specs=in_specs,
@@ -650,7 +676,8 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan, option
             + rows_in_chunk * dim * (hidden.dtype.itemsize + 4),
         ),
         interpret=interpret,
-        name=f"cutbce_backward_bt{geom.block_t}_bv{geom.block_v}_chunk{geom.chunk}",
+        name=f"cutbce_{'softmax_' if softmax else ''}backward_bt{geom.block_t}"
+        f"_bv{geom.block_v}_chunk{geom.chunk}",
     )(*operands)
     outputs = list(outputs)
     hidden_grads.append(outputs.pop(0))
@@ -767,3 +794,163 @@ def _rank_counts(hidden, table, bias, target_logits, target_ids, *, plan, option
       interpret=interpret,
       name=f"cutbce_ranks_bt{geom.block_t}_bv{geom.block_v}_chunk{geom.chunk}",
   )(*operands)
+
+
+# --------------------------------------------------------------------------- #
+# Softmax cross-entropy (`cutbce.softmax`): running (max, sum exp) per token.  #
+# --------------------------------------------------------------------------- #
+
+# VMEM the softmax kernels add to the plain ones, counted as f32 logit tiles in
+# the planner's estimate: the lse / running (max, sum) vectors, the excluded
+# ids' block and the mask of one tile (measured against Mosaic by the compile
+# tests at E up to 128).
+SOFTMAX_EXTRA_TILES = 2
+# Excluded ids per token the kernels compare in one tile (unrolled); wider rows
+# take the XLA path.
+MAX_SOFTMAX_EXCLUDE = 128
+
+
+class _Softmax(NamedTuple):
+  """Static shape of a softmax call's masks (hashable)."""
+
+  num_exclude: int  # E: excluded-id columns (0: none)
+  valid_rows: bool  # a traced count of the table's real rows is given
+
+
+def _softmax_inputs(geom: _Geometry, softmax: _Softmax, token_map, fixed_map, exclude_ids,
+                    valid_rows):
+  """Specs and operands of the excluded ids `[chunk, E]` and the real-row count `[1, 1]`."""
+  specs, operands = [], []
+  if softmax.num_exclude:
+    specs.append(pl.BlockSpec((geom.chunk, softmax.num_exclude), token_map))
+    operands.append(exclude_ids.astype(jnp.int32))
+  if softmax.valid_rows:
+    specs.append(pl.BlockSpec((1, 1), fixed_map))
+    operands.append(jnp.asarray(valid_rows, jnp.int32).reshape(1, 1))
+  return specs, operands
+
+
+def _softmax_columns(vocab_index, geom: _Geometry, valid_rows_ref):
+  """`[1, block_v]` bool: the tile's columns that are items (< V, < real rows), or None."""
+  columns = _column_ids(vocab_index, geom)
+  valid = columns < geom.vocab if geom.ragged_vocab else None
+  if valid_rows_ref is not None:
+    real = columns < valid_rows_ref[...]  # [1, 1] int32, broadcast
+    valid = real if valid is None else valid & real
+  return valid
+
+
+def _softmax_keep(vocab_index, geom: _Geometry, valid, exclude_ref, rows, softmax: _Softmax):
+  """`[block_t, block_v]` bool: in the token's softmax (an item, not excluded)."""
+  keep = jnp.ones((geom.block_t, geom.block_v), bool) if valid is None else jnp.broadcast_to(
+      valid, (geom.block_t, geom.block_v))
+  if softmax.num_exclude:
+    columns = _column_ids(vocab_index, geom)  # [1, block_v]
+    excluded = exclude_ref[rows, :]  # [block_t, E] int32, -1 for none
+    for column in range(softmax.num_exclude):  # E is small and static: unrolled
+      keep = keep & (columns != excluded[:, column:column + 1])
+  return keep
+
+
+def _softmax_forward_kernel(*refs, geom: _Geometry, has_bias: bool, with_counts: bool,
+                            softmax: _Softmax):
+  refs = list(refs)
+  hidden_ref = refs.pop(0)  # [chunk, D]
+  table_ref = refs.pop(0)  # [block_v, D]
+  bias_ref = refs.pop(0) if has_bias else None  # [1, block_v] f32
+  exclude_ref = refs.pop(0) if softmax.num_exclude else None  # [chunk, E] int32
+  valid_rows_ref = refs.pop(0) if softmax.valid_rows else None  # [1, 1] int32
+  max_ref = refs.pop(0)  # [chunk, 1] f32, resident along the vocab axis
+  sum_ref = refs.pop(0)  # [chunk, 1] f32
+  count_ref = refs.pop(0) if with_counts else None  # [chunk, 1] int32
+  vocab_index = pl.program_id(1)
+
+  @pl.when(vocab_index == 0)
+  def init():
+    max_ref[...] = jnp.full_like(max_ref, SOFTMAX_FLOOR)
+    sum_ref[...] = jnp.zeros_like(sum_ref)
+    if with_counts:
+      count_ref[...] = jnp.zeros_like(count_ref)
+
+  table = _table_tile(table_ref, vocab_index, geom)
+  valid = _softmax_columns(vocab_index, geom, valid_rows_ref)
+
+  def accumulate(subtile):
+    rows = _row_slice(subtile, geom)
+    logits = _tile_logits(hidden_ref[rows, :], table, bias_ref)  # [block_t, block_v] f32
+    if with_counts:
+      positive = logits > 0.0
+      if valid is not None:
+        positive = positive & valid
+      count_ref[rows, :] += jnp.sum(
+          positive.astype(jnp.float32), axis=1, keepdims=True).astype(jnp.int32)
+    keep = _softmax_keep(vocab_index, geom, valid, exclude_ref, rows, softmax)
+    old_max = max_ref[rows, :]  # [block_t, 1]
+    new_max = jnp.maximum(old_max, jnp.max(jnp.where(keep, logits, SOFTMAX_FLOOR), axis=1,
+                                           keepdims=True))
+    shifted = jnp.where(keep, jnp.exp(jnp.where(keep, logits - new_max, 0.0)), 0.0)
+    sum_ref[rows, :] = (sum_ref[rows, :] * jnp.exp(old_max - new_max)
+                        + jnp.sum(shifted, axis=1, keepdims=True))
+    max_ref[rows, :] = new_max
+
+  _for_each_subtile(geom.num_subtiles, accumulate)
+
+
+def _softmax_static(exclude_ids, valid_rows) -> _Softmax:
+  return _Softmax(0 if exclude_ids is None else exclude_ids.shape[1], valid_rows is not None)
+
+
+@functools.partial(jax.named_call, name="cutbce_tpu_softmax_forward")
+def softmax_forward(hidden, table, bias, exclude_ids, *, plan: TilePlan | None,
+                    with_counts: bool, num_items: int | None = None, valid_rows=None):
+  """Running (max, sum exp(x - max)) `[T]` f32 per token, and #{x > 0} (see xla.py)."""
+  return _run(_softmax_forward, hidden, table, bias, exclude_ids, valid_rows, plan=plan,
+              with_counts=with_counts, num_items=num_items)
+
+
+def _softmax_forward(hidden, table, bias, exclude_ids, valid_rows, *, plan, with_counts,
+                     num_items, interpret):
+  _check_supported(hidden, table, plan)
+  hidden, table = _common_dtype(hidden, table)
+  softmax = _softmax_static(exclude_ids, valid_rows)
+  geom = _geometry(plan, hidden, table, "forward", num_items=num_items, softmax=softmax)
+  num_tokens, dim = hidden.shape
+  in_specs, operands = _token_by_vocab_inputs(geom, hidden, table, bias)
+  specs, extra = _softmax_inputs(geom, softmax, _token_index_map, lambda chunk, tile: (0, 0),
+                                 exclude_ids, valid_rows)
+  in_specs += specs
+  operands += extra
+  token_spec = pl.BlockSpec((geom.chunk, 1), _token_index_map)
+  out_specs = [token_spec, token_spec] + ([token_spec] if with_counts else [])
+  out_shape = [jax.ShapeDtypeStruct((num_tokens, 1), jnp.float32)] * 2 + (
+      [jax.ShapeDtypeStruct((num_tokens, 1), jnp.int32)] if with_counts else [])
+  vocab = geom.vocab
+  outputs = pl.pallas_call(
+      functools.partial(_softmax_forward_kernel, geom=geom, has_bias=bias is not None,
+                        with_counts=with_counts, softmax=softmax),
+      grid=(geom.num_chunks, geom.num_vocab_tiles),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=_compiler_params(geom, (pltpu.PARALLEL, pltpu.ARBITRARY)),
+      cost_estimate=pl.CostEstimate(
+          flops=2 * num_tokens * vocab * dim,
+          transcendentals=num_tokens * vocab,
+          bytes_accessed=geom.num_chunks * table.size * table.dtype.itemsize
+          + hidden.size * hidden.dtype.itemsize,
+      ),
+      interpret=interpret,
+      name=f"cutbce_softmax_forward_bt{geom.block_t}_bv{geom.block_v}_chunk{geom.chunk}",
+  )(*operands)
+  return outputs[0][:, 0], outputs[1][:, 0], (outputs[2][:, 0] if with_counts else None)
+
+
+@functools.partial(jax.named_call, name="cutbce_tpu_softmax_backward")
+def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad, bias_grad, *,
+                     plan: TilePlan | None, num_items: int | None = None, valid_rows=None):
+  """dh `[T, D]` f32 and the dense parts added to `table_grad`, `bias_grad` (see xla.py)."""
+  softmax = _softmax_static(exclude_ids, valid_rows)
+  _, _, *grads = _run(_backward, hidden, table, bias, scale, table_grad, bias_grad, log_z,
+                      exclude_ids, valid_rows, plan=plan, options=variants.PLAIN,
+                      num_items=num_items, with_loss=False, with_counts=False, softmax=softmax)
+  return tuple(grads)
