@@ -1,4 +1,5 @@
-"""`cut_softmax_ce` against a float64 NumPy oracle, on every backend.
+"""`cut_softmax_ce` against a float64 NumPy oracle, on every backend (xla, dense,
+auto, and the Pallas TPU kernels in Pallas' interpreter and in TPU interpret mode).
 
 Shapes divide no tile (V = 1003 with block_v 128 and the default plans), rows
 hold padding ids, repeats, ids past `num_items`, excluded ids (some of them
@@ -84,7 +85,8 @@ OPTIONS = [
 
 
 CASES = ([("xla", o) for o in OPTIONS] + [("dense", OPTIONS[0]), ("dense", OPTIONS[4]),
-                                          ("auto", OPTIONS[2])])
+                                          ("auto", OPTIONS[2]), ("pallas_tpu", OPTIONS[0]),
+                                          ("pallas_tpu", OPTIONS[4])])
 
 
 @pytest.mark.parametrize("backend,options", CASES,
@@ -101,6 +103,29 @@ def test_bf16_matches_the_oracle_on_the_bf16_values(backend):
   for g, x in zip(got[2], args[:3]):
     assert g.dtype == x.dtype
   _check(got, _oracle(args, label_smoothing=0.1), 2e-6, 2**-8)
+
+
+def test_tpu_kernels_in_tpu_interpret_mode_with_several_chunks_and_tiles():
+  """TPU interpret mode (VMEM and the DMA pipeline simulated): 3 token chunks, 8
+  vocabulary tiles with a ragged last one, sub-tiles past T skipped."""
+  from cutbce.kernels import tpu  # pylint: disable=import-outside-toplevel
+  args = _inputs()
+  plan = cutbce.TilePlan(block_v=128, block_t=8, token_chunk=16)
+  with tpu.tpu_interpret_mode():
+    got = _run("pallas_tpu", args, label_smoothing=0.1, num_items=1000, plan=plan)
+  _check(got, _oracle(args, label_smoothing=0.1, num_items=1000), 2e-6, 2e-5)
+
+
+def test_pallas_tpu_refuses_more_excluded_ids_than_its_kernels_compare():
+  from cutbce.kernels import tpu  # pylint: disable=import-outside-toplevel
+  hidden, table = jnp.ones((2, 8)), jnp.ones((300, 8))
+  targets, exclude = jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, tpu.MAX_SOFTMAX_EXCLUDE + 1),
+                                                            jnp.int32)
+  with pytest.raises(NotImplementedError, match="excluded ids"):
+    cutbce.cut_softmax_ce(hidden, table, targets, exclude=exclude, backend="pallas_tpu")
+  want = cutbce.cut_softmax_ce(hidden, table, targets, exclude=exclude, backend="xla")
+  got = cutbce.cut_softmax_ce(hidden, table, targets, exclude=exclude, backend="auto")
+  assert float(got) == float(want)
 
 
 def test_a_user_plan_is_honoured_and_changes_nothing():

@@ -85,6 +85,13 @@ def test_equals_the_unsharded_op(shape, token_axes, vocab_axis):
   _assert_close(got, _reference())
 
 
+def test_pallas_tpu_kernels_in_shard_map_equal_the_unsharded_op():
+  got = _outputs(functools.partial(sharded_cut_softmax_ce, mesh=_mesh((2, 4)),
+                                   token_axes=("data", "model"), vocab_axis="model",
+                                   backend="pallas_tpu"))
+  _assert_close(got, _reference())
+
+
 def test_averaging_over_targets_and_the_dense_backend_on_a_mesh():
   mesh = _mesh((2, 4))
   kw = dict(mesh=mesh, token_axes=("data", "model"), vocab_axis="model",
