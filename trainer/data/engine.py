@@ -110,7 +110,9 @@ def _tables(file, columns: list[str]):
   """The tables of ``file`` to normalize, one batch at a time where the rules allow."""
   if files_lib.file_format(file) == "parquet":
     try:
-      parquet = pq.ParquetFile(files_lib.open_source(file))
+      # No pre-buffering: with it, the reader keeps every column chunk it
+      # has read until the file is closed (the whole file, compressed).
+      parquet = pq.ParquetFile(files_lib.open_source(file), pre_buffer=False)
     except (pa.ArrowInvalid, OSError) as error:
       raise DataError(f"cannot read {file} as parquet: {error}") from None
     schema = parquet.schema_arrow
