@@ -296,8 +296,11 @@ def _write_events(connection, out, *, offsets: np.ndarray, num_shards: int,
       user = batch.column(0).to_numpy()
       item = batch.column(1).to_numpy()
       time = batch.column(2).to_numpy()
-      for index, threshold in enumerate(thresholds):
-        counts[index] += np.bincount(user[time < threshold], minlength=num_users)
+      if user.shape[0]:  # sorted by user: the batch's users are one range
+        first, stop = int(user[0]), int(user[-1]) + 1
+        for index, threshold in enumerate(thresholds):
+          counts[index][first:stop] += np.bincount(user[time < threshold] - first,
+                                                   minlength=stop - first)
       start = position
       position += user.shape[0]
       for shard in range(num_shards):  # the parts of this batch in each shard
@@ -374,9 +377,10 @@ def prepare_scan(scan: files_lib.FileScan, out: str | os.PathLike, *, dataset: s
       rows, users, items = _load(connection, scan)
       _remap(connection, min_item_count=min_item_count, min_user_count=min_user_count,
              users=users, items=items, name=scan.name, rows=rows)
-      lengths, t_max = (np.asarray(column) for column in zip(*connection.execute(
-          "SELECT n, t_max FROM kept_users ORDER BY dense").fetchall()))
-      lengths = lengths.astype(np.int64)
+      per_user = _arrow_table(connection.sql("SELECT n, t_max FROM kept_users ORDER BY dense"))
+      lengths = per_user.column(0).to_numpy().astype(np.int64)
+      t_max = per_user.column(1).to_numpy()
+      del per_user
       offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
       storage.shard_bounds(offsets, num_shards)  # a bad count fails before the sort
       bounds = (splits.gts_boundaries(int(t_max.max()) + 1, **split_options)
