@@ -119,9 +119,11 @@ def compare_plans(results: dict) -> None:
         row[f"chunks_{name}"] = -(-tokens // chunk)
       results[key] = row
     r = results[key]
+    # A negative optimal_seconds is the cost model's "no estimate".
+    ms = lambda s: "-" if s < 0 else f"{s * 1e3:.3f}"  # noqa: E731
     print(f"{chip:>4} {kernel:>8} {tokens:>6} {dim:>4} {dtype:>8} {str(tuple(r['before'])):>20} "
           f"{str(tuple(r['after'])):>20} {r['chunks_before']:>3}->{r['chunks_after']:<3} "
-          f"{r['optimal_seconds_before'] * 1e3:>14.3f} {r['optimal_seconds_after'] * 1e3:>7.3f}",
+          f"{ms(r['optimal_seconds_before']):>14} {ms(r['optimal_seconds_after']):>7}",
           flush=True)
 
 

@@ -22,8 +22,8 @@ are sparse or O(D) per token. Gradient of l_t w.r.t. x_tv:
     k_t p_tv - (1 - e) r_t [v in P_t] - e k_t [v in S_t] / |S_t|,   p_tv = exp(x_tv - lse_t)
 
 The backward recomputes each logit tile (`softmax_backward`: 3 GEMMs per tile)
-from the residual lse_t; the rest is a sparse scatter at the targets and
-excluded ids and the O(D) uniform part. Unlike BCE there is no one-pass form:
+from the residual lse_t, with the smoothing's uniform part in the same tile;
+the targets' part is a sparse scatter. Unlike BCE there is no one-pass form:
 p_tv needs lse_t, known only after the whole sweep, so the loss with its
 gradients costs 4 GEMMs per tile (BCE's one pass: 3).
 
@@ -121,8 +121,9 @@ def _item_rows(table, num_items: int, valid_rows):
 
 
 def _item_sums(table, bias, items):
-  """(sum over item rows of e_v `[D]` f32, of b_v f32 or 0)."""
-  table_sum = jnp.sum(jnp.where(items[:, None], table.astype(jnp.float32), 0.0), axis=0)
+  """(sum over item rows of e_v `[D]` f32, of b_v f32 or 0): a mat-vec, no `[V, D]` copy."""
+  table_sum = jax.lax.dot_general(items.astype(table.dtype), table, (((0,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
   bias_sum = 0.0 if bias is None else jnp.sum(jnp.where(items, bias.astype(jnp.float32), 0.0))
   return table_sum, bias_sum
 
@@ -178,32 +179,21 @@ def per_token_losses(coeffs: Coefficients, lse, linear):
 
 def local_backward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds,
                    coeffs: Coefficients, lse, scale, valid_rows=None):
-  """float32 (dh, dE, db) of sum_t scale_t l_t through this table's rows."""
+  """float32 (dh, dE, db) of sum_t scale_t l_t through this table's rows.
+
+  The dense sweep makes G_tv = g_t (k_t p_tv - u_t) on the softmax's items
+  (the uniform part of label smoothing included, so excluded ids and padding
+  get none of it); the targets' -(1 - e) g_t r_t is a sparse scatter.
+  """
   g = scale.astype(jnp.float32)
-  all_ids, sparse_coefficients = ids.target_ids, jnp.where(
-      ids.target_mask, -(g * coeffs.target)[:, None], 0.0)
-  if call.label_smoothing and ids.exclude_mask is not None:
-    # The uniform part covers every item; excluded ids are given back here.
-    all_ids = jnp.concatenate([all_ids, ids.exclude_ids], axis=-1)
-    sparse_coefficients = jnp.concatenate(
-        [sparse_coefficients,
-         jnp.where(ids.exclude_mask, (g * coeffs.uniform)[:, None], 0.0)], axis=-1)
+  coefficients_ = jnp.where(ids.target_mask, -(g * coeffs.target)[:, None], 0.0)
   hidden_grad, table_grad, bias_grad = sparse.sparse_grads(
-      hidden, table, bias is not None, all_ids, sparse_coefficients)
+      hidden, table, bias is not None, ids.target_ids, coefficients_)
+  offset = g * coeffs.uniform if call.label_smoothing else None
   dense_hidden_grad, table_grad, bias_grad = call.kernels.softmax_backward(
       hidden, table, bias, _exclude_or_none(ids), lse, g * coeffs.lse, table_grad, bias_grad,
-      plan=call.plan, num_items=call.num_items, valid_rows=valid_rows)
-  hidden_grad = hidden_grad + dense_hidden_grad
-  if call.label_smoothing:
-    items = _item_rows(table, call.num_items, valid_rows)
-    uniform = g * coeffs.uniform  # [T]
-    table_sum, _ = _item_sums(table, None, items)
-    hidden_grad = hidden_grad - uniform[:, None] * table_sum[None, :]
-    weighted_hidden = jnp.dot(uniform, hidden.astype(jnp.float32))  # [D]
-    table_grad = table_grad - jnp.where(items[:, None], weighted_hidden, 0.0)
-    if bias_grad is not None:
-      bias_grad = bias_grad - jnp.where(items, jnp.sum(uniform), 0.0)
-  return hidden_grad, table_grad, bias_grad
+      offset, plan=call.plan, num_items=call.num_items, valid_rows=valid_rows)
+  return hidden_grad + dense_hidden_grad, table_grad, bias_grad
 
 
 def _cast_grads(grads, hidden, table, bias):

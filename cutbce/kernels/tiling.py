@@ -229,10 +229,10 @@ def vmem_estimate(
   Calibrated against the TPU compiler (`benchmarks/tpu_vmem.py`: the smallest
   `vmem_limit_bytes` Mosaic compiles each kernel with, on v5e and v6e, over
   tiles, chunks, D, dtypes, bias and variants): an upper bound of every
-  measured case, 1.1-2.5x the compiler's figure. Every BlockSpec'd operand
-  is counted double-buffered by the Pallas pipeline; `[chunk, 1]` per-token
-  blocks are counted once each, padded to 128 lanes (measured: Mosaic does
-  not hold two padded buffers of them, but it does hold about one);
+  measured case. Every BlockSpec'd operand is counted double-buffered by the
+  Pallas pipeline, `[chunk, 1]` per-token blocks too, each buffer padded to
+  128 lanes (at chunk 57,856 Mosaic holds exactly that: two 56.5 MiB windows
+  of an f32 `[chunk, 1]` output; at chunk 4,096 it needed less);
   Mosaic fuses the elementwise work on a logit tile, so a kernel holds about
   two `[block_t, block_v]` float32 tiles (the logits and one temporary), not
   one per operation.
@@ -250,7 +250,7 @@ def vmem_estimate(
   """
   c, bt, bv, d, s = token_chunk, block_t, block_v, dim, itemsize
   logit_tile = buffer_bytes(bt, bv, 4)  # one [block_t, block_v] f32 buffer
-  token_vector = buffer_bytes(c, 1, 4)  # one [chunk, 1] f32/int32 block, 128 lanes
+  token_vector = 2 * buffer_bytes(c, 1, 4)  # a [chunk, 1] f32/int32 block, 128 lanes, x2
   total = MOSAIC_SCRATCH_BYTES
   total += extra_logit_tiles * logit_tile  # variants' elementwise temporaries
   total += 2 * buffer_bytes(c, d, s)  # hidden chunk block [chunk, D], x2 buffers

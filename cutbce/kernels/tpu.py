@@ -484,6 +484,7 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
   scale_ref = refs.pop(0)  # [chunk, 1] f32, g_t
   # Softmax CE: lse_t, the excluded ids and the shard's real rows (see _Softmax).
   log_z_ref = refs.pop(0) if softmax else None  # [chunk, 1] f32
+  offset_ref = refs.pop(0) if softmax and softmax.offset else None  # [chunk, 1] f32
   exclude_ref = refs.pop(0) if softmax and softmax.num_exclude else None  # [chunk, E] int32
   valid_rows_ref = refs.pop(0) if softmax and softmax.valid_rows else None  # [1, 1] int32
   table_ref = refs.pop(0)  # [block_v, D]
@@ -532,7 +533,15 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
       log_z = log_z_ref[rows, :]  # [block_t, 1]
       if valid_rows is not None:
         log_z = jnp.where(row_ok, log_z, 0.0)  # garbage rows past T: finite, scale 0
-      derivative = jnp.where(keep, jnp.exp(jnp.where(keep, logits - log_z, 0.0)), 0.0)
+      derivative = jnp.exp(jnp.where(keep, logits - log_z, 0.0))
+      if offset_ref is not None:
+        offset = offset_ref[rows, :]  # [block_t, 1]
+        if valid_rows is not None:
+          offset = jnp.where(row_ok, offset, 0.0)
+        # G = g p - o: scale * (p - o / g) would divide by g; o is added below.
+        derivative = jnp.where(keep, scale * derivative - offset, 0.0)
+      else:
+        derivative = jnp.where(keep, scale * derivative, 0.0)
     elif with_loss:
       value, derivative = variants.tile_value_and_grad(options, logits)
       if valid is not None:
@@ -546,7 +555,7 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
             positive.astype(jnp.float32), axis=1, keepdims=True).astype(jnp.int32)
     else:
       derivative = variants.tile_grad(options, logits)
-    grad = scale * derivative  # [block_t, block_v] f32
+    grad = derivative if softmax else scale * derivative  # [block_t, block_v] f32
     if valid is not None and not softmax:
       grad = jnp.where(valid, grad, 0.0)
     grad_mxu = grad.astype(compute_dtype)
@@ -589,8 +598,8 @@ def forward_backward(hidden, table, bias, scale, table_grad, bias_grad, *,
               options=options, num_items=num_items, with_loss=True, with_counts=with_counts)
 
 
-def _backward(hidden, table, bias, scale, table_grad, bias_grad, log_z=None, exclude_ids=None,
-              valid_rows=None, *, plan, options, num_items, with_loss, with_counts, interpret,
+def _backward(hidden, table, bias, scale, table_grad, bias_grad, log_z=None, offset=None,
+              exclude_ids=None, valid_rows=None, *, plan, options, num_items, with_loss, with_counts, interpret,
               softmax=None):
   _check_supported(hidden, table, plan)
   hidden, table = _common_dtype(hidden, table)
@@ -626,8 +635,11 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, log_z=None, exc
     if softmax:
       softmax_specs, softmax_operands = _softmax_inputs(
           geom, softmax, hidden_index_map, lambda tile: (0, 0), exclude_ids, valid_rows)
-      in_specs[2:2] = [pl.BlockSpec((geom.chunk, 1), hidden_index_map)] + softmax_specs
-      operands += [log_z.astype(jnp.float32).reshape(num_tokens, 1)] + softmax_operands
+      vectors = [log_z] + ([offset] if softmax.offset else [])
+      in_specs[2:2] = [pl.BlockSpec((geom.chunk, 1), hidden_index_map)] * len(vectors)
+      in_specs[2 + len(vectors):2 + len(vectors)] = softmax_specs
+      operands += [v.astype(jnp.float32).reshape(num_tokens, 1) for v in vectors]
+      operands += softmax_operands
     operands.append(table)
     if has_bias:
       in_specs.append(pl.BlockSpec((1, geom.block_v), bias_index_map))
@@ -815,6 +827,7 @@ class _Softmax(NamedTuple):
 
   num_exclude: int  # E: excluded-id columns (0: none)
   valid_rows: bool  # a traced count of the table's real rows is given
+  offset: bool = False  # a per-token offset o_t is subtracted from the logit gradient
 
 
 def _softmax_inputs(geom: _Geometry, softmax: _Softmax, token_map, fixed_map, exclude_ids,
@@ -946,11 +959,12 @@ def _softmax_forward(hidden, table, bias, exclude_ids, valid_rows, *, plan, with
 
 
 @functools.partial(jax.named_call, name="cutbce_tpu_softmax_backward")
-def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad, bias_grad, *,
-                     plan: TilePlan | None, num_items: int | None = None, valid_rows=None):
+def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad, bias_grad,
+                     offset=None, *, plan: TilePlan | None, num_items: int | None = None,
+                     valid_rows=None):
   """dh `[T, D]` f32 and the dense parts added to `table_grad`, `bias_grad` (see xla.py)."""
-  softmax = _softmax_static(exclude_ids, valid_rows)
+  softmax = _softmax_static(exclude_ids, valid_rows)._replace(offset=offset is not None)
   _, _, *grads = _run(_backward, hidden, table, bias, scale, table_grad, bias_grad, log_z,
-                      exclude_ids, valid_rows, plan=plan, options=variants.PLAIN,
+                      offset, exclude_ids, valid_rows, plan=plan, options=variants.PLAIN,
                       num_items=num_items, with_loss=False, with_counts=False, softmax=softmax)
   return tuple(grads)

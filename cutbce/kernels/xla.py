@@ -254,11 +254,12 @@ def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
 #       over rows < num_items, < valid_rows (excluded ids included: the
 #       caller's sparse counts take them off, as for BCE).
 #   softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad,
-#                    bias_grad, *, plan, num_items, valid_rows=None)
+#                    bias_grad, offset=None, *, plan, num_items, valid_rows=None)
 #       -> (dh [T, D] f32, table_grad, bias_grad)
-#       with p_tv = exp(x_tv - log_z_t) on those items (0 elsewhere):
-#       dh = sum_v g_t p_tv e_v; adds sum_t g_t p_tv h_t to table_grad rows
-#       (and sum_t g_t p_tv to bias_grad), g = `scale`.
+#       with G_tv = g_t p_tv - o_t, p_tv = exp(x_tv - log_z_t), on those items
+#       (0 elsewhere), g = `scale`, o = `offset` (0 when None):
+#       dh = sum_v G_tv e_v; adds sum_t G_tv h_t to table_grad rows (and
+#       sum_t G_tv to bias_grad).
 #
 # `exclude_ids` is int32 [T, E] with -1 (or any id out of range) for "none", or
 # None; `valid_rows` an int32 scalar (traced: a vocab shard's real rows) or None.
@@ -315,8 +316,9 @@ def softmax_forward(hidden, table, bias, exclude_ids, *, plan: TilePlan | None,
 
 
 @functools.partial(jax.named_call, name="cutbce_xla_softmax_backward")
-def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad, bias_grad, *,
-                     plan: TilePlan | None, num_items: int | None = None, valid_rows=None):
+def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad, bias_grad,
+                     offset=None, *, plan: TilePlan | None, num_items: int | None = None,
+                     valid_rows=None):
   compute_dtype = jnp.result_type(hidden.dtype, table.dtype)
   num_tokens = hidden.shape[0]
   num_items = table.shape[0] if num_items is None else num_items
@@ -331,6 +333,9 @@ def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad,
     if masked is not None:
       logits = jnp.where(masked, -jnp.inf, logits)
     logit_grad = scale[:, None] * jnp.exp(logits - log_z[:, None])  # [T, block_v] f32
+    if offset is not None:
+      uniform = jnp.broadcast_to(offset[:, None], logit_grad.shape)
+      logit_grad = logit_grad - (uniform if masked is None else jnp.where(masked, 0.0, uniform))
     logit_grad_c = logit_grad.astype(compute_dtype)
     hidden_grad = hidden_grad + lax.dot_general(
         logit_grad_c, table_tile, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)

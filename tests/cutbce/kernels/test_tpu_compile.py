@@ -156,6 +156,9 @@ def test_sharded_op_on_a_v6e_2x4_mesh_compiles_with_collectives_outside_the_loop
 PLANNED = [
     ("v4", "backward", 8192, 219_235, 128, "bfloat16"),  # 16 MiB of VMEM: a tight plan
     ("v6e", "one_pass", 8192, 219_235, 128, "bfloat16"),  # the paper's per-chip shape
+    # A long chunk: Mosaic double-buffers the lane-padded [chunk, 1] outputs (an
+    # estimate that counted them once planned 57,856 rows and overflowed VMEM).
+    ("v5e", "forward", 65_536, 219_235, 128, "bfloat16"),
     pytest.param("v5e", "forward", 20_000, 300_007, 256, "float32", marks=pytest.mark.slow),
     pytest.param("v5p", "ranks", 4096, 1_000_003, 128, "bfloat16", marks=pytest.mark.slow),
 ]
@@ -177,3 +180,63 @@ def test_planned_tiles_compile_and_the_estimate_covers_mosaics_need(
                                   block_v=plan.block_v, dim=dim,
                                   itemsize=jnp.dtype(dtype).itemsize, num_targets=8)
   assert actual <= estimate <= plan.vmem_limit_bytes, (plan, actual / MIB, estimate / MIB)
+
+
+# (chip, T, V, D, dtype, bias, exclude width E, num_items, label_smoothing)
+SOFTMAX_CASES = [
+    ("v6e", 4103, 876_939, 128, "bfloat16", False, 0, None, 0.0),  # the paper's per-chip shape
+    ("v5e", 1000, 1_000_003, 64, "float32", True, 100, 999_000, 0.1),  # wide exclude, padded rows
+    ("v6e", 513, 10_000_019, 256, "bfloat16", True, 7, None, 0.0),
+]
+
+
+@pytest.mark.parametrize("case", SOFTMAX_CASES, ids=[f"{c[0]}-V{c[2]}-D{c[3]}-E{c[6]}"
+                                                     for c in SOFTMAX_CASES])
+def test_softmax_ce_kernels_compile_for_tpu(case):
+  chip, tokens, vocab, dim, dtype, bias, exclude, num_items, smoothing = case
+  device = _devices(f"{chip}-1")[0]
+  sharding = SingleDeviceSharding(device)
+  spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+  args = [spec((tokens, dim), dtype), spec((vocab, dim), dtype), spec((tokens, 4), jnp.int32),
+          spec((vocab,), jnp.float32) if bias else None,
+          spec((tokens, exclude), jnp.int32) if exclude else None]
+
+  def loss(hidden, table, targets, bias, exclude):
+    def scalar(h, e, b):
+      return cutbce.cut_softmax_ce(h, e, targets, bias=b, exclude=exclude, num_items=num_items,
+                                   label_smoothing=smoothing, backend="pallas_tpu")
+    argnums = (0, 1, 2) if bias is not None else (0, 1)
+    return jax.value_and_grad(scalar, argnums=argnums)(hidden, table, bias)
+
+  with compiler.planning_for([device]):
+    compiled = jax.jit(loss).lower(*args).compile()
+  kernels = [k.split("_bt")[0] for k in compiler.mosaic_kernels(compiled)]
+  assert sorted(kernels) == ["cutbce_softmax_backward", "cutbce_softmax_forward"], kernels
+  _check_flat(compiled, tokens, vocab, dim)
+
+
+def test_sharded_softmax_ce_on_a_v6e_2x4_mesh_compiles_with_collectives_outside_the_loop():
+  from cutbce.sharding import sharded_cut_softmax_ce  # pylint: disable=import-outside-toplevel
+  batch, length, dim, vocab = 8, 512, 128, 876_939
+  devices = _devices("v6e-8")
+  mesh = jax.sharding.Mesh(np.asarray(devices).reshape(2, 4), ("data", "model"))
+  padded = -(-vocab // 4) * 4
+  tokens_spec = NamedSharding(mesh, P(("data", "model")))
+  args = (
+      jax.ShapeDtypeStruct((batch, length, dim), jnp.bfloat16, sharding=tokens_spec),
+      jax.ShapeDtypeStruct((padded, dim), jnp.bfloat16, sharding=NamedSharding(mesh, P("model"))),
+      jax.ShapeDtypeStruct((batch, length, 8), jnp.int32, sharding=tokens_spec),
+  )
+
+  def step(hidden, table, targets):
+    return jax.value_and_grad(lambda h, e: sharded_cut_softmax_ce(
+        h, e, targets, mesh=mesh, token_axes=("data", "model"), vocab_axis="model",
+        num_items=vocab, backend="pallas_tpu"), argnums=(0, 1))(hidden, table)
+
+  with compiler.planning_for(devices):
+    compiled = jax.jit(step).lower(*args).compile()
+  names = sorted(k.split("_bt")[0] for k in compiler.mosaic_kernels(compiled))
+  assert names == ["cutbce_softmax_backward", "cutbce_softmax_forward"], names
+  report = hlo.collective_report(compiled.as_text())
+  assert report.count >= 3 and not report.in_loop, report
+  _check_flat(compiled, batch * length // 2, padded // 4, dim)
