@@ -103,10 +103,13 @@ def run_measured(command: list[str], temp: pathlib.Path) -> dict:
   done.set()
   thread.join()
   rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr)
+  cpu = sum(float(m) for m in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)",
+                                         result.stderr))
   shutil.rmtree(temp, ignore_errors=True)
   if result.returncode != 0:
     return {"error": result.stderr.strip().splitlines()[-3:], "wall_s": wall}
-  return {"wall_s": round(wall, 1), "peak_rss_gib": round(int(rss.group(1)) / 2**20, 2),
+  return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+          "peak_rss_gib": round(int(rss.group(1)) / 2**20, 2),
           "spill_gib": round(peak[0] / 2**30, 2), "stdout": result.stdout.strip()}
 
 
@@ -136,16 +139,29 @@ def main(argv=None) -> int:
   parser.add_argument("--memory-max-events", default="100M",
                       help="today's in-memory path only up to this many events")
   parser.add_argument("--polars-max-events", default="100M")
+  parser.add_argument("--engines", default="duckdb,memory,polars",
+                      help="engines to run (memory and polars within their max events)")
+  parser.add_argument("--merge", action="store_true",
+                      help="keep the rows of --out that this run does not redo")
   parser.add_argument("--work", default="/tmp/prepare_bench")
   parser.add_argument("--out", default="docs/results/prepare_bench.json")
+  parser.add_argument("--plot-only", action="store_true",
+                      help="redraw the plot from --out and exit")
   args = parser.parse_args(argv)
+  if args.plot_only:
+    plot(json.loads((ROOT / args.out).read_text())["rows"],
+         (ROOT / args.out).with_suffix(".png"))
+    return 0
   work = pathlib.Path(args.work)
   work.mkdir(parents=True, exist_ok=True)
+  out_path = ROOT / args.out
   rows = []
+  if args.merge and out_path.exists():
+    rows = json.loads(out_path.read_text())["rows"]
+  wanted = args.engines.split(",")
   runs = [(parse_size(s), False) for s in args.sizes.split(",")]
   if args.string_size:
     runs.insert(1, (parse_size(args.string_size), True))
-  out_path = ROOT / args.out
   for events, strings in runs:
     name = f"{events // 10**6}M{'-str' if strings else ''}"
     data = work / f"events-{name}.parquet"
@@ -155,9 +171,11 @@ def main(argv=None) -> int:
           f"{data.stat().st_size / 2**30:.2f} GiB)", flush=True)
     base = [sys.executable, "-m", "trainer.data", "--dataset", "files", "--path", str(data),
             "--user-col", "uid", "--item-col", "item_id", "--time-col", "timestamp"]
-    engines = ["duckdb"] + (["memory"] if events <= parse_size(args.memory_max_events) else [])
-    if events <= parse_size(args.polars_max_events) and not strings:
-      engines.append("polars")
+    engines = [e for e in wanted if e == "duckdb"
+               or (e == "memory" and events <= parse_size(args.memory_max_events))
+               or (e == "polars" and events <= parse_size(args.polars_max_events)
+                   and not strings)]
+    ran = {}
     for engine in engines:
       out = work / f"out-{name}-{engine}"
       shutil.rmtree(out, ignore_errors=True)
@@ -168,14 +186,17 @@ def main(argv=None) -> int:
                           "--out", str(out)]
       result = run_measured(command, work / "tmp")
       row = {"events": events, "strings": strings, "engine": engine,
-             "memory_limit": args.memory_limit if engine == "duckdb" else None, **result}
+             "memory_limit": args.memory_limit if engine == "duckdb" else None, **result,
+             "load_avg_1m": round(os.getloadavg()[0], 1)}  # the machine is shared
       if "wall_s" in result and "error" not in result:
         row["events_per_s"] = round(events / result["wall_s"])
-      rows.append(row)
+      rows = [r for r in rows if (r["events"], r["strings"], r["engine"])
+              != (events, strings, engine)] + [row]
+      ran[engine] = row
       print(json.dumps({k: v for k, v in row.items() if k != "stdout"}), flush=True)
-    if "memory" in engines:
+    if "memory" in ran and "duckdb" in ran:
       same = _hashes(work / f"out-{name}-duckdb") == _hashes(work / f"out-{name}-memory")
-      rows[-len(engines)]["identical_to_memory"] = same
+      ran["duckdb"]["identical_to_memory"] = same
       print(f"{name}: duckdb folder byte-identical to memory: {same}", flush=True)
     for engine in engines:
       shutil.rmtree(work / f"out-{name}-{engine}", ignore_errors=True)
@@ -183,14 +204,25 @@ def main(argv=None) -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps({"machine": f"{os.cpu_count()} cores", "rows": rows},
                                    indent=2) + "\n")
-  print("| events | ids | engine | wall s | peak RSS GiB | spill GiB | events/s |")
-  print("|---|---|---|---|---|---|---|")
+  rows.sort(key=lambda r: (r["events"], r["strings"], r["engine"]))
+  out_path.write_text(json.dumps({"machine": f"{os.cpu_count()} cores", "rows": rows},
+                                 indent=2) + "\n")
+  print("| events | ids | engine | wall s | CPU s | peak RSS GiB | spill GiB | events/s |")
+  print("|---|---|---|---|---|---|---|---|")
   for row in rows:
     print(f"| {row['events']:,} | {'str' if row['strings'] else 'int'} | {row['engine']} | "
-          f"{row.get('wall_s')} | {row.get('peak_rss_gib')} | {row.get('spill_gib')} | "
+          f"{row.get('wall_s')} | {row.get('cpu_s')} | {row.get('peak_rss_gib')} | "
+          f"{row.get('spill_gib')} | "
           f"{row.get('events_per_s', row.get('error'))} |")
   plot(rows, out_path.with_suffix(".png"))
   return 0
+
+
+def _limit_bytes(text: str) -> int:
+  """``"2GB"`` -> bytes, as ``--memory-limit`` reads it."""
+  sys.path.insert(0, str(ROOT))
+  from trainer.data import engine  # pylint: disable=import-outside-toplevel
+  return engine.parse_memory_limit(text)
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:
@@ -208,6 +240,12 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
                     if r["engine"] == engine and not r["strings"] and "peak_rss_gib" in r)
     if points:
       axis.plot(*zip(*points), marker="o", label=engine)
+  limits = {r["memory_limit"] for r in rows if r["engine"] == "duckdb" and r["memory_limit"]}
+  for limit in sorted(limits):
+    axis.axhline(_limit_bytes(limit) / 2**30, color="gray", linestyle=":",
+                 label=f"duckdb --memory-limit {limit}")
+  axis.axhline(4, color="red", linestyle="--", alpha=0.5, label="goal at 1B: 4 GiB")
+  axis.set_ylim(bottom=0)
   axis.set_xscale("log")
   axis.set_xlabel("events")
   axis.set_ylabel("peak RSS (GiB)")
