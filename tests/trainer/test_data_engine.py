@@ -186,6 +186,42 @@ def test_each_process_reads_only_its_shards_and_batches_equal_one_process(tmp_pa
   assert window_users.size == 6 * 3 * process_count and users.size == 5
 
 
+@pytest.mark.parametrize("process_count,batch_size", [(2, 3), (4, 2)])
+def test_evaluation_reads_only_its_shards_and_covers_every_user_once(tmp_path, process_count,
+                                                                     batch_size):
+  one, sharded = _sharded_pair(tmp_path, 4)
+  whole = storage.load_prepared(one)
+  single = list(pipeline.eval_dataset(whole, "test", seq_len=4, batch_size=batch_size,
+                                      process_index=0, process_count=1))
+  expected = {}
+  for batch in single:
+    for row, user in enumerate(batch["users"]):
+      if user >= 0:
+        expected[int(user)] = {k: batch[k][row] for k in ("inputs", "targets", "exclude")}
+  lengths, seen = set(), {}
+  for p in range(process_count):
+    data = storage.load_prepared(sharded["duckdb"])
+    batches = list(pipeline.eval_dataset(data, "test", seq_len=4, batch_size=batch_size,
+                                         process_index=p, process_count=process_count))
+    lengths.add(len(batches))
+    assert data.items.opened == list(range(p, 4, process_count))
+    owned = set()
+    for shard in range(p, 4, process_count):
+      owned.update(range(data.shard_users[shard], data.shard_users[shard + 1]))
+    for batch in batches:
+      assert (batch["weights"] > 0).tolist() == (batch["users"] >= 0).tolist()
+      assert (batch["targets"][batch["users"] < 0] == -1).all()
+      for row, user in enumerate(batch["users"]):
+        if user >= 0:
+          assert int(user) in owned and int(user) not in seen
+          seen[int(user)] = {k: batch[k][row] for k in ("inputs", "targets", "exclude")}
+  assert len(lengths) == 1  # every process runs as many batches
+  assert seen.keys() == expected.keys()  # every user once, whatever process had it
+  for user, example in expected.items():
+    for key, value in example.items():
+      np.testing.assert_array_equal(seen[user][key], value)
+
+
 def test_memory_limit_sizes_and_errors(tmp_path, capsys):
   assert engine.parse_memory_limit("4GB") == 4 * 10**9
   assert engine.parse_memory_limit("512 MiB") == 512 * 2**20

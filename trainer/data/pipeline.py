@@ -24,7 +24,10 @@ of ``P * batch_size`` rows, split by row ``i % P``.
 Evaluation (:func:`eval_dataset`): every example once, no shuffle. The
 example list is padded with weight-0 rows up to a multiple of
 ``batch_size * process_count`` and dealt round-robin, so every process runs the
-same number of batches and no user is dropped or seen twice.
+same number of batches and no user is dropped or seen twice. With S > 1
+shards and P dividing S, process p instead takes the examples of its own
+shards ``p, p + P, ...`` (in user order), each process's list padded to the
+longest one's batches, so evaluation too opens only its shards' files.
 
 Batches are dicts of numpy arrays; ids follow the convention of
 :mod:`trainer.data.windows` (items in ``[0, V)``, inputs padded with V,
@@ -248,12 +251,31 @@ def eval_dataset(data: PreparedDataset, split: str, *, seq_len: int,
   windows.check_positive(seq_len=seq_len, batch_size=batch_size,
                          num_targets=num_targets, max_exclude=max_exclude)
   index, count = _process(process_index, process_count)
-  global_batch = batch_size * count
-  padded = -(-examples.shape[0] // global_batch) * global_batch
   make_example = _EvalExample(data, examples, seq_len=seq_len,
                               num_targets=num_targets, max_exclude=max_exclude)
+  if count > 1 and data.num_shards % count == 0:
+    return grain.MapDataset.source(
+        _own_shard_examples(data, examples, index, count, batch_size)).map(
+            make_example).batch(batch_size)
+  global_batch = batch_size * count
+  padded = -(-examples.shape[0] // global_batch) * global_batch
   dataset = grain.MapDataset.range(padded)[index::count].map(make_example)
   return dataset.batch(batch_size)
+
+
+def _own_shard_examples(data: PreparedDataset, examples: np.ndarray, index: int,
+                        count: int, batch_size: int) -> np.ndarray:
+  """Indices of the examples of shards ``index, index + count, ...``.
+
+  Padded with ``len(examples)`` (a weight-0 row) to the batches of the
+  process with the most examples, so every process runs as many batches.
+  """
+  shard = np.searchsorted(data.shard_users, examples[:, 0], side="right") - 1
+  owner = shard % count
+  longest = int(np.bincount(owner, minlength=count).max()) if owner.size else 0
+  length = -(-longest // batch_size) * batch_size
+  mine = np.flatnonzero(owner == index)
+  return np.concatenate([mine, np.full(length - mine.size, examples.shape[0], np.int64)])
 
 
 def to_global_arrays(batch: Mapping[str, np.ndarray],
