@@ -11,7 +11,8 @@ smaller sizes, the core of the same preparation (count items, remap, order by
 user, time and file order, write parquet) is also run with Polars' streaming
 engine, the other engine compared. The two prepared folders are checked to be
 byte-identical where both ran. Prints a table, writes JSON and a plot of peak
-RSS against events.
+RSS against events. ``--share SIZE`` instead measures what each of P
+processes opens of a folder prepared in user shards.
 
   nice -n 10 python benchmarks/prepare_bench.py --sizes 20M,100M,300M \\
       --memory-limit 2GB --work /tmp/prepare_bench --out docs/results/prepare_bench.json
@@ -147,7 +148,14 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default="docs/results/prepare_bench.json")
   parser.add_argument("--plot-only", action="store_true",
                       help="redraw the plot from --out and exit")
+  parser.add_argument("--share", metavar="SIZE",
+                      help="instead: prepare SIZE events in --num-shards shards and print the "
+                           "share of the event bytes each of P processes opens")
+  parser.add_argument("--num-shards", type=int, default=8)
   args = parser.parse_args(argv)
+  if args.share:
+    return read_share(pathlib.Path(args.work), parse_size(args.share), args.num_shards,
+                      args.memory_limit)
   if args.plot_only:
     plot(json.loads((ROOT / args.out).read_text())["rows"],
          (ROOT / args.out).with_suffix(".png"))
@@ -215,6 +223,54 @@ def main(argv=None) -> int:
           f"{row.get('spill_gib')} | "
           f"{row.get('events_per_s', row.get('error'))} |")
   plot(rows, out_path.with_suffix(".png"))
+  return 0
+
+
+def read_share(work: pathlib.Path, events: int, num_shards: int, memory_limit: str) -> int:
+  """Prints, for P in 1, 2, 4, ..., S, the share of the event bytes process p opens.
+
+  Each process runs 8 training batches and the first and last evaluation
+  batches of its pipelines (`trainer.data.pipeline`) over a folder prepared
+  in S user shards; the bytes are the sizes of the shard files it opened.
+  """
+  sys.path.insert(0, str(ROOT))
+  from trainer.data import pipeline, storage  # pylint: disable=import-outside-toplevel
+  name = f"{events // 10**6}M"
+  data_file = work / f"events-{name}.parquet"
+  generate(data_file, events, strings=False)
+  folder = work / f"shares-{name}-{num_shards}"
+  shutil.rmtree(folder, ignore_errors=True)
+  subprocess.run([sys.executable, "-m", "trainer.data", "--dataset", "files", "--path",
+                  str(data_file), "--user-col", "uid", "--item-col", "item_id", "--time-col",
+                  "timestamp", "--memory-limit", memory_limit, "--num-shards", str(num_shards),
+                  "--out", str(folder)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+  names = [storage.shard_file(array, s, num_shards)
+           for array in storage.EVENT_ARRAYS for s in range(num_shards)]
+  sizes = {n: (folder / n).stat().st_size for n in names}
+  total = sum(sizes.values())
+  small = sum(f.stat().st_size for f in folder.iterdir() if f.name not in sizes)
+  print(f"{name} events, {num_shards} shards: {total / 2**30:.2f} GiB of event arrays; "
+        f"{small / 2**20:.0f} MiB of small arrays every process reads")
+  count = 1
+  while count <= num_shards:
+    shares = []
+    for index in range(count):
+      data = storage.load_prepared(folder)
+      train = pipeline.train_dataset(data, seq_len=200, num_targets=1, batch_size=64, seed=0,
+                                     process_index=index, process_count=count)
+      for batch in range(8):
+        train[batch]  # pylint: disable=pointless-statement
+      evaluation = pipeline.eval_dataset(data, "test", seq_len=200, batch_size=64,
+                                         max_exclude=1, process_index=index,
+                                         process_count=count)
+      evaluation[0], evaluation[len(evaluation) - 1]  # pylint: disable=pointless-statement
+      opened = data.items.opened
+      shares.append(sum(sizes[storage.shard_file(array, s, num_shards)]
+                        for array in storage.EVENT_ARRAYS for s in opened) / total)
+    print(f"P={count}: each process opens {min(shares):.3f} to {max(shares):.3f} of the event "
+          f"bytes (1/P = {1 / count:.3f})", flush=True)
+    count *= 2
+  shutil.rmtree(folder, ignore_errors=True)
   return 0
 
 
