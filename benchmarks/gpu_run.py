@@ -83,6 +83,7 @@ def cmd_compile(args) -> None:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import cutbce  # pylint: disable=import-outside-toplevel
   from cutbce.kernels import tiling  # pylint: disable=import-outside-toplevel
+  from cutbce.kernels.gpu import compiled as gpu_compiled  # pylint: disable=import-outside-toplevel
   from cutbce.kernels.gpu import targets  # pylint: disable=import-outside-toplevel
   rows = []
   print(f"{'target':>6} {'V':>10} {'backend':>10} {'temp GiB':>9} {'peak GiB':>9} "
@@ -101,7 +102,7 @@ def cmd_compile(args) -> None:
               COMPILE_SHAPES["tokens"], vocab, platform="gpu"))
           row["block_v"] = plan.block_v
         try:
-          compiled = targets.compile_loss(target, backend, vocab=vocab, dtype=jnp.bfloat16,
+          compiled = gpu_compiled.compile_loss(target, backend, vocab=vocab, dtype=jnp.bfloat16,
                                           plan=plan, **COMPILE_SHAPES)
           row.update(_memory(compiled), kernels=targets.triton_kernels(compiled))
         except Exception as error:  # pylint: disable=broad-except

@@ -44,10 +44,11 @@ def _config(num_items: int):
 def _run_phase(phase: str, directory: str, num_items: int) -> dict:
   import grain  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
-  from trainer import checkpoint, config_checks  # pylint: disable=import-outside-toplevel
+  from trainer import checkpoint  # pylint: disable=import-outside-toplevel
+  from trainer.config import mesh as config_mesh  # pylint: disable=import-outside-toplevel
   from trainer import train as train_lib  # pylint: disable=import-outside-toplevel
   config = _config(num_items)
-  mesh = config_checks.make_mesh(config)
+  mesh = config_mesh.make_mesh(config)
   plan = train_lib.plan_sharded_state(config, num_items=num_items, mesh=mesh, vocab_shards=1)
   state_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(plan.abstract))
   iterator = iter(grain.MapDataset.range(8).to_iter_dataset())

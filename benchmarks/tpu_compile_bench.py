@@ -35,8 +35,8 @@ from absl import logging  # noqa: E402
 
 from configs import yambda50m_v6e8  # noqa: E402
 from cutbce.kernels import compiler  # noqa: E402
-from trainer import compile as compile_lib  # noqa: E402
-from trainer import config_checks  # noqa: E402
+from trainer.commands import compile as compile_lib  # noqa: E402
+from trainer.config import mesh as config_mesh  # noqa: E402
 
 GIB = 2**30
 PAPER = {"chip": "TPU v6e x 8", "batch": 64, "vocab": 876_939,
@@ -52,8 +52,8 @@ def train_step(chip: str, backend: str, *, batch: int, vocab: int) -> dict:
   config.batch_size = batch
   config.loss.backend = BACKENDS[backend]
   devices = compiler.topology_devices(topology)
-  config_checks.check_config(config, devices=devices)
-  mesh = config_checks.make_mesh(config, devices)
+  config_mesh.check_config(config, devices=devices)
+  mesh = config_mesh.make_mesh(config, devices)
   jitted, args = compile_lib.step_programs(config, num_items=vocab, mesh=mesh)["train"]
   hbm = compiler.tiling_chip(topology).hbm_capacity_bytes
   result = compile_lib.compile_step("train", jitted, args, devices=devices, hbm_bytes=hbm)

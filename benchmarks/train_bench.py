@@ -59,7 +59,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import yambda50m_v6e8  # noqa: E402
-from trainer import config_checks, model as model_lib  # noqa: E402
+from trainer import model as model_lib  # noqa: E402
+from trainer.config import mesh as config_mesh  # noqa: E402
 from trainer import train as train_lib  # noqa: E402
 
 GIB = 2**30
@@ -91,8 +92,8 @@ class Step:
   def __init__(self, config, num_items: int):
     self.config = config
     self.num_items = num_items
-    self.mesh = config_checks.make_mesh(config)
-    vocab_shards = config_checks.vocab_shard_count(config)
+    self.mesh = config_mesh.make_mesh(config)
+    vocab_shards = config_mesh.vocab_shard_count(config)
     self.tx = train_lib.make_optimizer(config.optimizer, config.train_steps)
     self.schedule = train_lib.learning_rate_schedule(config.optimizer, config.train_steps)
 

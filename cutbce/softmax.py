@@ -40,7 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cutbce import inputs, reference, sparse
+from cutbce import backends, inputs, reference, sparse
 from cutbce.kernels.tiling import TilePlan
 
 TARGET_REDUCTIONS = ("sum", "mean")
@@ -69,8 +69,7 @@ class SoftmaxCall(NamedTuple):
 
   @property
   def kernels(self):
-    from cutbce import api  # pylint: disable=g-import-not-at-top  (api imports sparse, tiled)
-    return api.kernel_module(self.backend)
+    return backends.kernel_module(self.backend)
 
 
 class Coefficients(NamedTuple):
@@ -238,7 +237,7 @@ _per_token.defvjp(_per_token_fwd, _per_token_bwd)
 def softmax_backend(backend: str, flat: inputs.Flat, plan=None) -> str:
   """The backend a softmax call runs: "dense", or a kernel set with the softmax kernels.
 
-  "auto" resolves as for `cut_bce` (`api.resolve_backend`: the Pallas TPU
+  "auto" resolves as for `cut_bce` (`backends.resolve_backend`: the Pallas TPU
   kernels where they take the inputs, chosen when the program is lowered),
   and to the XLA path where they do not, or where a row holds more excluded
   ids than the TPU kernels compare per tile (`tpu.MAX_SOFTMAX_EXCLUDE`).
@@ -247,11 +246,10 @@ def softmax_backend(backend: str, flat: inputs.Flat, plan=None) -> str:
   Raises:
     NotImplementedError: "pallas_tpu" named for inputs its kernels cannot take.
   """
-  from cutbce import api  # pylint: disable=g-import-not-at-top
-  inputs.check_choice("backend", backend, api.BACKEND_CHOICES)
+  inputs.check_choice("backend", backend, backends.BACKEND_CHOICES)
   if backend == "dense":
     return "dense"
-  resolved = api.resolve_backend(backend, flat, plan)
+  resolved = backends.resolve_backend(backend, flat, plan)
   if resolved in ("pallas_tpu", "auto"):
     from cutbce.kernels import tpu  # pylint: disable=g-import-not-at-top
     width = 0 if flat.exclude is None else flat.exclude.shape[-1]
@@ -262,8 +260,8 @@ def softmax_backend(backend: str, flat: inputs.Flat, plan=None) -> str:
             f"position in its softmax kernels, got exclude of width {width}")
       return "xla"
   if resolved != "xla":
-    api.check_backend_supports(resolved, flat, plan)
-  if not hasattr(api.kernel_module(resolved), "softmax_forward"):
+    backends.check_backend_supports(resolved, flat, plan)
+  if not hasattr(backends.kernel_module(resolved), "softmax_forward"):
     return "xla"
   return resolved
 

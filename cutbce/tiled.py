@@ -26,7 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from cutbce import inputs, sparse
+from cutbce import backends, inputs, sparse
 from cutbce.kernels.tiling import TilePlan
 from cutbce.variants import LossOptions
 
@@ -50,8 +50,7 @@ class TiledCall(NamedTuple):
 
   @property
   def kernels(self):
-    from cutbce import api  # pylint: disable=g-import-not-at-top  (api imports this module)
-    return api.kernel_module(self.backend)
+    return backends.kernel_module(self.backend)
 
 
 class Reduction(NamedTuple):

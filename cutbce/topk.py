@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from cutbce import api, inputs, sparse, variants
+from cutbce import backends, inputs, sparse, variants
 from cutbce.kernels import xla as xla_kernels
 
 # Default tile: one [T, block_v] float32 score tile of about TOPK_TILE_BYTES.
@@ -358,7 +358,7 @@ def top_k(hidden, table, k, *, bias=None, exclude=None, num_items=None,
     >>> scores.tolist(), ids.tolist()  # row 0: items 0 and 2 tie at 3, 0 is excluded
     ([[3.0, 1.0], [5.0, 2.0]], [[2, 1], [2, 1]])
   """
-  inputs.check_choice("backend", backend, api.BACKEND_CHOICES)
+  inputs.check_choice("backend", backend, backends.BACKEND_CHOICES)
   inputs.check_plan(plan)
   args = check_args(
       hidden, table, k, bias=bias, exclude=exclude, num_items=num_items,

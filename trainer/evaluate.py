@@ -11,25 +11,13 @@ targets. `cutbce.rank_metrics` turns ranks into recall/ndcg/hit@k and mrr.
 Batch results are combined exactly: every metric is an average over users
 with a target, so the per-batch averages are weighted by their user counts.
 
-Command line, after training (every user, the whole catalog):
-
-    python -m trainer.evaluate --workdir=W [--split=test|validation] [--step=N]
-        [--checkpoint=best|latest]
-
-reads `W/config.json`, rebuilds the model, mesh and data, restores the
-params of the best checkpoint (default; the latest, with a notice, when the
-run kept no best one), the latest one or step N, and prints the table of
-`format_table` and one JSON line `{"workdir", "checkpoint", "step", "metrics":
-{split: {...}}}` on stdout (progress on stderr). It uses the run's evaluation
-settings (`eval_batch_size`, `eval.filter_seen`, `eval.ks`, `eval.backend`),
-so its numbers are the training loop's final ones for the same checkpoint.
+The command line (`python -m trainer.evaluate`) is
+:mod:`trainer.commands.evaluate`.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import sys
 from typing import Callable, Iterable
 
 import jax
@@ -39,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import cutbce
 from cutbce import sharding as cutbce_sharding
-from trainer import commands, data as data_lib
+from trainer import data as data_lib
 from trainer import train as train_lib
 
 
@@ -138,43 +126,6 @@ def format_table(metrics_by_split: dict[str, dict[str, float]], ks=(10, 50, 100)
   return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- #
-# python -m trainer.evaluate                                                   #
-# --------------------------------------------------------------------------- #
-
-
-def _command(values) -> int:
-  from trainer import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
-  run = workdir_lib.open_run(values["workdir"], which=values["checkpoint"],
-                             step=values.get("step"), say=commands.notice)
-  config = run.config
-  ks = tuple(config.eval.ks)
-  step_fn = jit_eval_step(run.graphdef, run.settings, run.param_shardings,
-                          filter_seen=config.eval.filter_seen, ks=ks)
-  sharding = train_lib.batch_sharding(run.settings.mesh, run.settings.token_axes)
-  results = {}
-  for split in ((values["split"],) if values.get("split") else ("validation", "test")):
-    batches = eval_batches(run.data, split, seq_len=config.seq_len,
-                           global_batch_size=run.batch_size, filter_seen=config.eval.filter_seen)
-    progress = commands.Progress(f"evaluating {split}", len(batches), "batches")
-    results[split] = evaluate(step_fn, run.params, iter(batches),
-                              lambda batch: data_lib.to_global_arrays(batch, sharding),
-                              progress=progress)
-  print(format_table(results, ks))
-  print(json.dumps({"workdir": run.workdir, "checkpoint": run.which, "step": run.step,
-                    "metrics": results}), flush=True)
-  return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-  """`python -m trainer.evaluate` in-process; returns the exit status."""
-  return commands.run_command("evaluate", _command, sys.argv if argv is None else argv)
-
-
-def run() -> None:
-  """The console script `cutbce-evaluate`."""
-  commands.app_main(main)
-
-
-if __name__ == "__main__":
-  run()
+if __name__ == "__main__":  # python -m trainer.evaluate: the command, under its old name
+  import runpy  # pylint: disable=g-import-not-at-top
+  runpy.run_module("trainer.commands.evaluate", run_name="__main__", alter_sys=True)

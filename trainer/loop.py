@@ -33,9 +33,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from trainer import checkpoint, config_checks, config_schema, data as data_lib, evaluate, logs
-from trainer import paths, run_config
+from trainer import checkpoint, data as data_lib, evaluate, logs, paths
 from trainer import train as train_lib
+from trainer.config import keys as config_keys, mesh as config_mesh, saved as saved_config, schema
 from trainer.data import prepare as prepare_lib
 
 
@@ -66,12 +66,12 @@ def prepare_data(config, workdir: str | os.PathLike) -> data_lib.PreparedDataset
   (`prepare.needs_preparation`).
 
   Raises:
-    config_checks.ConfigError: an explicit folder holds other data.
+    schema.ConfigError: an explicit folder holds other data.
     FileNotFoundError: a process finds no data in the folder process 0
       prepared (it is not on storage that every host reads).
   """
   process = jax.process_index()
-  folder = config_schema.prepared_folder(config.data.prepared_dir, workdir, process)
+  folder = config_keys.prepared_folder(config.data.prepared_dir, workdir, process)
 
   def prepare_unless_there():
     options = dict(source_options=config.data.source_options.to_dict(),
@@ -83,7 +83,7 @@ def prepare_data(config, workdir: str | os.PathLike) -> data_lib.PreparedDataset
           folder, explicit=config.data.prepared_dir is not None,
           dataset=config.data.dataset, **options)
     except ValueError as error:
-      raise config_checks.ConfigError(f"config.data.prepared_dir={str(folder)!r}: {error}") \
+      raise schema.ConfigError(f"config.data.prepared_dir={str(folder)!r}: {error}") \
           from error
     if stale:
       logs.say(f"preparing {config.data.dataset} into {folder}")
@@ -122,22 +122,22 @@ def record_config(config, workdir: str, manager, allow_config_change: bool) -> N
   """Writes WORKDIR/config.json; on a resume, first checks what changed.
 
   Raises:
-    config_checks.ConfigError: resuming would change the run (see
-      `trainer.run_config.check_resume`) and `allow_config_change` is False.
+    schema.ConfigError: resuming would change the run (see
+      `trainer.config.saved.check_resume`) and `allow_config_change` is False.
   """
   if checkpoint.latest_step(manager) is not None:
-    for line in run_config.check_resume(workdir, config, process_count=jax.process_count(),
-                                        allow_change=allow_config_change):
+    for line in saved_config.check_resume(workdir, config, process_count=jax.process_count(),
+                                          allow_change=allow_config_change):
       logs.say(line)
   if jax.process_index() == 0:
-    run_config.write(workdir, config, process_count=jax.process_count())
+    saved_config.write(workdir, config, process_count=jax.process_count())
 
 
 class Trainer:
   """Holds what the loop needs between steps (one run of `train_and_evaluate`)."""
 
   def __init__(self, config, workdir: str, *, allow_config_change: bool = False):
-    config_checks.check_config(config, workdir=workdir)
+    config_mesh.check_config(config, workdir=workdir)
     self.config = config
     self.workdir = paths.as_path(workdir)
     self.manager = checkpoint.make_manager(self.workdir / "checkpoints",
@@ -147,14 +147,14 @@ class Trainer:
                                            cleanup_tmp=True)
     try:
       record_config(config, workdir, self.manager, allow_config_change)
-    except config_checks.ConfigError:
+    except schema.ConfigError:
       self.manager.close()
       raise
-    self.mesh = config_checks.make_mesh(config)
-    logs.say(config_checks.describe_mesh(self.mesh))
+    self.mesh = config_mesh.make_mesh(config)
+    logs.say(config_mesh.describe_mesh(self.mesh))
     self.data = prepare_data(config, workdir)
     num_items = self.data.num_items
-    vocab_shards = config_checks.vocab_shard_count(config)
+    vocab_shards = config_mesh.vocab_shard_count(config)
     # Shapes and shardings only: the state is built below, restored or initialised.
     plan = train_lib.plan_sharded_state(config, num_items=num_items, mesh=self.mesh,
                                         vocab_shards=vocab_shards)
@@ -382,7 +382,7 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
   Raises:
     NonFiniteLossError: the loss or the gradients became NaN or infinite;
       the last checkpoint on disk is the last good one.
-    config_checks.ConfigError: a resume that would change the run.
+    schema.ConfigError: a resume that would change the run.
   """
   trainer = Trainer(config, workdir, allow_config_change=allow_config_change)
   preemption = checkpoint.PreemptionNotice(combine_every=config.log_every)

@@ -5,7 +5,7 @@ Override any config field with `--config.key=value` (for example
 several local processes) pass the coordinator flags, or nothing on Cloud TPU
 where `jax.distributed.initialize()` finds the slice by itself.
 
-Every config value is checked (`trainer/config_schema.py`) before data is
+Every config value is checked (`trainer/config/keys.py`) before data is
 prepared or anything traced; a bad one stops the run with exit status 2 and
 one line `bad config: config.<key>=<value>: <what is allowed>`.
 
@@ -14,7 +14,7 @@ workdir with checkpoints resumes; when its config differs from that file in
 keys that would change the run (batch size, process count, data options,
 `seq_len`, model shape, ...) it stops with one `bad config:` line listing
 them (exit 2), unless `--allow_config_change` is given; logging and
-evaluation keys may change freely (`trainer/run_config.py`).
+evaluation keys may change freely (`trainer/config/saved.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from trainer import commands
+from trainer.commands import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Trainer config file.",
                                           lock_config=True)
@@ -43,16 +43,16 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-_bad_config = commands.bad_config
-parse_flags = commands.parse_config_flags
+_bad_config = cli.bad_config
+parse_flags = cli.parse_config_flags
 
 
 def check_or_exit(config, workdir: str | None) -> None:
-  """`config_checks.check_config`; a problem exits with status 2 and one `bad config:` line."""
-  from trainer import config_checks  # pylint: disable=import-outside-toplevel
+  """`config_mesh.check_config`; a problem exits with status 2 and one `bad config:` line."""
+  from trainer.config import mesh as config_mesh, schema  # pylint: disable=import-outside-toplevel
   try:
-    config_checks.check_config(config, workdir=workdir)
-  except config_checks.ConfigError as error:
+    config_mesh.check_config(config, workdir=workdir)
+  except schema.ConfigError as error:
     _bad_config(error)
 
 
@@ -70,14 +70,15 @@ def main(argv):
                                process_id=_PROCESS_ID.value)
   elif _DISTRIBUTED.value:
     jax.distributed.initialize()
-  from trainer import config_checks, loop  # pylint: disable=import-outside-toplevel
+  from trainer import loop  # pylint: disable=import-outside-toplevel
+  from trainer.config import mesh as config_mesh, schema  # pylint: disable=import-outside-toplevel
   from trainer.data import movielens, sources  # pylint: disable=import-outside-toplevel
   # Every value, before data preparation and before any trace.
   check_or_exit(_CONFIG.value, _WORKDIR.value)
   try:
     loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
                             allow_config_change=_ALLOW_CONFIG_CHANGE.value)
-  except config_checks.ConfigError as error:
+  except schema.ConfigError as error:
     _bad_config(error)
   except (movielens.RegistryUnavailableError, FileNotFoundError) as error:
     # The dataset cannot be had (no registry and no cache, or missing files):

@@ -4,7 +4,7 @@ Honours the backend contract written in `cutbce/kernels/xla.py`. Every entry
 point is a `lax.platform_dependent` over the two kernel sets: both are
 traced, only the lowering platform's is lowered. So one function runs the XLA
 path on CPU and GPU and lowers (or exports, from a CPU host) to the Mosaic
-kernels for TPU. `api.resolve_backend` picks this set only where the Pallas
+kernels for TPU. `backends.resolve_backend` picks this set only where the Pallas
 kernels take the inputs (and the plan), so the TPU branch never fails where
 the XLA path would not; on a TPU host it picks `pallas_tpu` directly.
 """

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from cutbce import api, inputs, reference, sparse, tiled, variants
+from cutbce import api, backends, inputs, reference, sparse, tiled, variants
 from cutbce.sharding import layout as layout_lib
 from cutbce.sharding.layout import Layout
 
@@ -281,7 +281,7 @@ def sharded_cut_bce(
   inputs.check_choice("reduction", reduction, inputs.REDUCTIONS)
   inputs.check_choice("vocab_reduction", vocab_reduction, inputs.VOCAB_REDUCTIONS)
   inputs.check_plan(plan)
-  inputs.check_choice("backend", backend, api.BACKEND_CHOICES)
+  inputs.check_choice("backend", backend, backends.BACKEND_CHOICES)
   options = variants.make_options(
       pos_weight=pos_weight, label_smoothing=label_smoothing, logit_soft_cap=logit_soft_cap,
       focal_gamma=focal_gamma, focal_alpha=focal_alpha,
@@ -289,7 +289,7 @@ def sharded_cut_bce(
   flat = inputs.flatten_inputs(hidden, table, targets, weights, bias, exclude)
   num_items = inputs.check_num_items(num_items, flat.table.shape[0])
   api.use_one_pass(one_pass, reduction)  # checked for every backend
-  backend = api.resolve_backend(backend, flat, plan)
+  backend = backends.resolve_backend(backend, flat, plan)
   layout = layout_lib.make_layout(
       mesh, token_axes, vocab_axis, hidden_shape=jnp.shape(hidden), table=table,
       num_items=num_items,
@@ -343,11 +343,11 @@ def sharded_target_ranks(
     ValueError, TypeError: as `sharded_cut_bce`.
   """
   inputs.check_plan(plan)
-  inputs.check_choice("backend", backend, api.BACKEND_CHOICES)
+  inputs.check_choice("backend", backend, backends.BACKEND_CHOICES)
   options = variants.make_options(logit_soft_cap=logit_soft_cap)
   flat = inputs.flatten_inputs(hidden, table, targets, None, bias, exclude)
   num_items = inputs.check_num_items(num_items, flat.table.shape[0])
-  backend = api.resolve_backend(backend, flat, plan)
+  backend = backends.resolve_backend(backend, flat, plan)
   layout = layout_lib.make_layout(
       mesh, token_axes, vocab_axis, hidden_shape=jnp.shape(hidden), table=table,
       num_items=num_items,
@@ -373,7 +373,7 @@ def sharded_target_ranks(
 def _ranks(static: _Static, hidden, table, bias, ids):
   layout = static.layout
   call = static.call
-  kernels = api.kernel_module(call.backend)
+  kernels = backends.kernel_module(call.backend)
 
   def local(hidden, table, bias, ids):
     hidden, ids = layout_lib.gather_tokens(layout, hidden, ids)

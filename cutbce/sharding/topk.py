@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cutbce import api, inputs, topk
+from cutbce import backends, inputs, topk
 from cutbce.sharding import layout as layout_lib
 from cutbce.sharding.layout import Layout
 
@@ -133,7 +133,7 @@ def sharded_top_k(
     >>> scores.tolist(), ids.tolist()
     ([[3.0, 3.0], [5.0, 2.0]], [[0, 2], [2, 1]])
   """
-  inputs.check_choice("backend", backend, api.BACKEND_CHOICES)
+  inputs.check_choice("backend", backend, backends.BACKEND_CHOICES)
   inputs.check_plan(plan)
   args = topk.check_args(
       hidden, table, k, bias=bias, exclude=exclude, num_items=num_items,

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from orbax.checkpoint._src.path import atomicity
 
-from trainer import checkpoint, config_checks, data as data_lib
+from trainer import checkpoint, data as data_lib
+from trainer.config import mesh as config_mesh
 from trainer import train as train_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,7 +35,7 @@ def test_state_and_iterator_roundtrip(smoke_config, tmp_path):
   smoke_config.mesh.axis_names, smoke_config.mesh.shape = ("data", "model"), (2, 4)
   smoke_config.mesh.vocab_axis = "model"
   data = loop.prepare_data(smoke_config, str(tmp_path))
-  mesh = config_checks.make_mesh(smoke_config)
+  mesh = config_mesh.make_mesh(smoke_config)
   plan = train_lib.plan_sharded_state(smoke_config, num_items=data.num_items, mesh=mesh,
                                       vocab_shards=4)
   state = plan.init()

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trainer import checkpoint, config_schema, evaluate, export, loop, recommend, run_config
-from trainer import schema, workdir as workdir_lib
+from trainer import checkpoint, evaluate, loop
+from trainer.config import keys as config_keys, saved as saved_config, schema
+from trainer.commands import evaluate as evaluate_command, export, recommend, workdir as workdir_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOP_K = 10
@@ -75,8 +76,8 @@ def _run(module, capsys, *flags):
 
 def test_run_writes_its_config(trained):
   workdir, config, _ = trained
-  assert run_config.flat_values(run_config.read(workdir)) == run_config.flat_values(config)
-  assert run_config.read_record(workdir)["process_count"] == 1
+  assert saved_config.flat_values(saved_config.read(workdir)) == saved_config.flat_values(config)
+  assert saved_config.read_record(workdir)["process_count"] == 1
 
 
 def test_best_checkpoint_kept_beside_the_latest_and_reported(trained):
@@ -125,28 +126,28 @@ def test_config_change_on_resume_is_refused_then_allowed(trained, tmp_path):
   message = str(excinfo.value)
   assert message.startswith("config.optimizer.learning_rate=0.01 (was 0.003): resuming")
   assert "log_every" not in message and "--allow_config_change" in message
-  assert run_config.read(copy).optimizer.learning_rate == 0.003
+  assert saved_config.read(copy).optimizer.learning_rate == 0.003
   result = loop.train_and_evaluate(config, copy, allow_config_change=True)
-  assert result["step"] == 20 and run_config.read(copy).optimizer.learning_rate == 0.01
+  assert result["step"] == 20 and saved_config.read(copy).optimizer.learning_rate == 0.01
 
 
 def test_which_changes_are_harmless(trained):
   workdir, config, _ = trained
   config = config.copy_and_resolve_references()
-  flat = run_config.flat_values(config)
-  assert run_config.is_harmless("eval.max_batches", flat, flat)
-  assert run_config.is_harmless("train_steps", flat, flat)  # constant schedule
+  flat = saved_config.flat_values(config)
+  assert saved_config.is_harmless("eval.max_batches", flat, flat)
+  assert saved_config.is_harmless("train_steps", flat, flat)  # constant schedule
   cosine = dict(flat, **{"optimizer.schedule": "cosine"})
-  assert not run_config.is_harmless("train_steps", cosine, cosine)
+  assert not saved_config.is_harmless("train_steps", cosine, cosine)
   for key in ("batch_size", "seq_len", "model.dim", "data.source_options.num_items",
               "process_count"):
-    assert not run_config.is_harmless(key, flat, flat), key
+    assert not saved_config.is_harmless(key, flat, flat), key
   config.train_steps, config.eval.ks = 30, (10, 20)
-  notices = run_config.check_resume(workdir, config, process_count=1)
+  notices = saved_config.check_resume(workdir, config, process_count=1)
   assert notices == ["config changed since the run started (harmless): config.eval.ks "
                      "[10, 50, 100] -> [10, 20], config.train_steps 20 -> 30"]
   with pytest.raises(schema.ConfigError, match=r"^process_count=2 \(was 1\)"):
-    run_config.check_resume(workdir, config, process_count=2)
+    saved_config.check_resume(workdir, config, process_count=2)
 
 
 # --------------------------------------------------------------------------- #
@@ -158,7 +159,7 @@ def test_evaluate_prints_table_and_json_matching_the_loop(trained, capsys):
   workdir, _, result = trained
   for flags, want, step in ((["--checkpoint=best"], result["best"]["eval"], 10),
                             (["--checkpoint=latest"], result["eval"], 20)):
-    status, out, err = _run(evaluate, capsys, f"--workdir={workdir}", *flags)
+    status, out, err = _run(evaluate_command, capsys, f"--workdir={workdir}", *flags)
     assert status == 0, err
     lines = out.splitlines()
     assert lines[0].startswith("split") and lines[1].startswith("validation")
@@ -173,7 +174,7 @@ def test_evaluate_prints_table_and_json_matching_the_loop(trained, capsys):
 
 def test_evaluate_one_split_of_one_step_and_bad_flags(trained, capsys, tmp_path):
   workdir, _, _ = trained
-  status, out, _ = _run(evaluate, capsys, f"--workdir={workdir}", "--split=test", "--step=20")
+  status, out, _ = _run(evaluate_command, capsys, f"--workdir={workdir}", "--split=test", "--step=20")
   assert status == 0 and list(json.loads(out.splitlines()[-1])["metrics"]) == ["test"]
   for flags, line in (
       ([f"--workdir={tmp_path}"], f"bad config: --workdir='{tmp_path}': an existing run "
@@ -181,7 +182,7 @@ def test_evaluate_one_split_of_one_step_and_bad_flags(trained, capsys, tmp_path)
       ([f"--workdir={workdir}", "--step=7"], "bad config: --step=7: a step with a "
        f"checkpoint in {workdir}/checkpoints: 10, 20"),
       ([], "bad config: --workdir is missing: it is required; a string")):
-    status, out, err = _run(evaluate, capsys, *flags)
+    status, out, err = _run(evaluate_command, capsys, *flags)
     assert status == 2 and out == "" and len(err.splitlines()) == 1, err
     assert err.startswith(line), err
 
@@ -277,4 +278,4 @@ def test_console_scripts_point_at_the_commands():
   for target in scripts.values():
     module, function = target.split(":")
     assert callable(getattr(importlib.import_module(module), function)), target
-  assert set(config_schema.COMMAND_FLAGS) == {"evaluate", "recommend", "export"}
+  assert set(config_keys.COMMAND_FLAGS) == {"evaluate", "recommend", "export"}

@@ -19,8 +19,8 @@ import pytest
 from configs import yambda50m_v6e8
 from cutbce.kernels import compiler
 from cutbce.sharding import hlo
-from trainer import compile as compile_lib
-from trainer import config_checks
+from trainer.commands import compile as compile_lib
+from trainer.config import mesh as config_mesh
 
 pytestmark = pytest.mark.skipif(compiler.libtpu_missing_reason() is not None,
                                 reason="libtpu missing: pip install 'cutbce[tpu]'")
@@ -37,8 +37,8 @@ def _compiled_steps(topology: str, *, batch: int, vocab: int, backend: str):
   config.batch_size = batch
   config.loss.backend = backend
   devices = compiler.topology_devices(topology)
-  config_checks.check_config(config, devices=devices)
-  mesh = config_checks.make_mesh(config, devices)
+  config_mesh.check_config(config, devices=devices)
+  mesh = config_mesh.make_mesh(config, devices)
   programs = compile_lib.step_programs(config, num_items=vocab, mesh=mesh)
   compiled = {}
   with compiler.planning_for(devices):

@@ -1,8 +1,8 @@
 """The config schema: every key rejects bad values, every rule holds, the docs are current.
 
-Walks `config_schema.KEYS` and `RULES` (and `python -m trainer.data`'s
+Walks `config_keys.KEYS` and `RULES` (and `python -m trainer.data`'s
 `FLAG_KEYS`, and the flags of `trainer.evaluate`, `recommend` and `export` in
-`config_schema.COMMAND_FLAGS`): for each key, values of the wrong type, out of range, not
+`config_keys.COMMAND_FLAGS`): for each key, values of the wrong type, out of range, not
 finite, not a choice, and (for tuples) empty, repeated or unsorted must each
 stop with one `bad config: <key>=<value>: ...` line and exit status 2. No
 training: everything here checks values only.
@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 
 from configs import base, smoke
-from trainer import config_schema, loop, main as main_lib, schema
+from trainer import loop, main as main_lib
+from trainer.config import keys as config_keys, schema
 from trainer.data import __main__ as data_cli
 from trainer.data import sources, splits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KEYS = config_schema.KEYS
-EIGHT = config_schema.Context(device_count=8)
+KEYS = config_keys.KEYS
+EIGHT = config_keys.Context(device_count=8)
 
 # --------------------------------------------------------------------------- #
 # Bad values, derived from each key's description.                             #
@@ -112,7 +113,7 @@ def valid_config(k: schema.Key, folder) -> dict:
   if k.when is not None:
     assert (k.when[0], k.when[1][0]) in _SETUPS, f"no setup for {k.when}: extend _SETUPS"
     _SETUPS[(k.when[0], k.when[1][0])](config, folder)
-  config_schema.check(config, EIGHT)
+  config_keys.check(config, EIGHT)
   return config
 
 
@@ -143,7 +144,7 @@ def test_every_required_key_is_required(k, tmp_path):
   config = valid_config(k, tmp_path)
   _delete(config, k.path)
   with pytest.raises(schema.ConfigError, match=rf"^config\.{k.path} is missing: "):
-    config_schema.check(config, EIGHT)
+    config_keys.check(config, EIGHT)
 
 
 @pytest.mark.parametrize("section", sorted(schema.sections_of(KEYS)))
@@ -151,7 +152,7 @@ def test_unknown_keys_are_rejected_with_the_known_ones(section):
   config = smoke.get_config().to_dict()
   _set(config, section + ".no_such_key", 1)
   with pytest.raises(schema.ConfigError) as excinfo:
-    config_schema.check(config, EIGHT)
+    config_keys.check(config, EIGHT)
   message = str(excinfo.value)
   assert message.startswith(f"config.{section}.no_such_key=1: unknown key; config.{section} holds ")
   if section == "model":
@@ -163,11 +164,11 @@ def test_unknown_top_level_key_and_section_given_a_value():
   config["sead"] = 1
   with pytest.raises(schema.ConfigError, match=r"^config\.sead=1: unknown key; the top level "
                      r"holds seed, train_steps"):
-    config_schema.check(config, EIGHT)
+    config_keys.check(config, EIGHT)
   config = smoke.get_config().to_dict()
   config["model"] = 3
   with pytest.raises(schema.ConfigError, match=r"^config\.model=3: a section, not a value"):
-    config_schema.check(config, EIGHT)
+    config_keys.check(config, EIGHT)
 
 
 def test_options_of_another_dataset_or_split_are_rejected():
@@ -176,11 +177,11 @@ def test_options_of_another_dataset_or_split_are_rejected():
   with pytest.raises(schema.ConfigError, match=(
       r"^config\.data\.source_options\.path='/data': not a key when config\.data\.dataset="
       r"'synthetic' \(only for 'yambda', 'files'\); config\.data\.source_options holds num_users, ")):
-    config_schema.check(config, EIGHT)
+    config_keys.check(config, EIGHT)
   config = smoke.get_config().to_dict()
   config["data"]["split_options"]["gap"] = 10
   with pytest.raises(schema.ConfigError, match=r"^config\.data\.split_options\.gap=10: not a key"):
-    config_schema.check(config, EIGHT)
+    config_keys.check(config, EIGHT)
 
 
 # --------------------------------------------------------------------------- #
@@ -196,19 +197,19 @@ def _prepared_manifest(folder, dataset, seq_len):
 
 def _yambda_missing(config, tmp_path):
   config["data"].update(dataset="yambda", source_options={"path": str(tmp_path / "missing")})
-  return config_schema.Context(device_count=8, workdir=str(tmp_path / "work"))
+  return config_keys.Context(device_count=8, workdir=str(tmp_path / "work"))
 
 
 def _files_missing(config, tmp_path):
   _SETUPS[("data.dataset", "files")](config, tmp_path / "missing.parquet")
-  return config_schema.Context(device_count=8, workdir=str(tmp_path / "work"))
+  return config_keys.Context(device_count=8, workdir=str(tmp_path / "work"))
 
 
 def _prepared_otherwise(config, tmp_path):
   """An explicit prepared_dir holding ML-1M while the config asks for synthetic data."""
   config["data"]["prepared_dir"] = str(tmp_path / "prepared")
   _prepared_manifest(tmp_path / "prepared", "ml-1m", config["seq_len"])
-  return config_schema.Context(device_count=8, workdir=str(tmp_path / "work"))
+  return config_keys.Context(device_count=8, workdir=str(tmp_path / "work"))
 
 
 def _set_all(**values):
@@ -229,9 +230,9 @@ RULE_BREAKERS = {
     "vocab_axis_in_mesh": _set_all(mesh__vocab_axis="model"),
     "batch_divides_token_shards": _set_all(batch_size=12),
     "eval_batch_divides_token_shards": _set_all(eval_batch_size=3),
-    "batch_divides_processes": lambda config, tmp_path: config_schema.Context(8, process_count=3),
+    "batch_divides_processes": lambda config, tmp_path: config_keys.Context(8, process_count=3),
     "eval_batch_divides_processes": lambda config, tmp_path: (
-        config.update(batch_size=48), config_schema.Context(8, process_count=3))[1],
+        config.update(batch_size=48), config_keys.Context(8, process_count=3))[1],
     "heads_divide_dim": _set_all(model__dim=7, model__num_heads=2),
     "yambda_folder_exists": _yambda_missing,
     "files_path_matches": _files_missing,
@@ -248,15 +249,15 @@ RULE_BREAKERS = {
 
 
 def test_every_rule_has_a_breaking_case():
-  assert set(RULE_BREAKERS) == {rule.name for rule in config_schema.RULES}
+  assert set(RULE_BREAKERS) == {rule.name for rule in config_keys.RULES}
 
 
-@pytest.mark.parametrize("rule", config_schema.RULES, ids=lambda rule: rule.name)
+@pytest.mark.parametrize("rule", config_keys.RULES, ids=lambda rule: rule.name)
 def test_every_rule_is_enforced_naming_its_first_key(rule, tmp_path):
   config = smoke.get_config().to_dict()
   context = RULE_BREAKERS[rule.name](config, tmp_path)
   with pytest.raises(schema.ConfigError, match=rf"^config\.{rule.keys[0]}=") as excinfo:
-    config_schema.check(config, context)
+    config_keys.check(config, context)
   # The message is the rule's own, not a per-key one.
   assert rule.check(schema.flatten(config, schema.sections_of(KEYS)), context) in str(
       excinfo.value)
@@ -266,10 +267,10 @@ def test_yambda_folder_is_not_needed_once_prepared(tmp_path):
   config = smoke.get_config().to_dict()
   context = _yambda_missing(config, tmp_path)
   _prepared_manifest(tmp_path / "work" / "data", "yambda", config["seq_len"])
-  config_schema.check(config, context)
+  config_keys.check(config, context)
   # Without the workdir (no run), files are not looked at.
   _yambda_missing(config, tmp_path / "elsewhere")
-  config_schema.check(config, EIGHT)
+  config_keys.check(config, EIGHT)
 
 
 def test_the_six_cases_of_the_issue():
@@ -288,7 +289,7 @@ def test_the_six_cases_of_the_issue():
     for path, value in change.items():
       _set(config, path, value)
     with pytest.raises(schema.ConfigError) as excinfo:
-      config_schema.check(config, EIGHT)
+      config_keys.check(config, EIGHT)
     assert str(excinfo.value).startswith(message), excinfo.value
 
 
@@ -317,9 +318,9 @@ def test_source_and_split_options_are_the_loaders_arguments():
 def test_docs_table_is_generated_from_the_schema():
   with open(os.path.join(ROOT, "docs", "trainer.md"), encoding="utf-8") as file:
     text = file.read()
-  expected = config_schema.markdown(config_schema.base_defaults())
+  expected = config_keys.markdown(config_keys.base_defaults())
   assert expected in text, ("docs/trainer.md's config keys are stale: run "
-                            "`python -m trainer.config_schema --update docs/trainer.md`")
+                            "`python -m trainer.config.keys --update docs/trainer.md`")
 
 
 def test_non_finite_message_when_no_checkpoint_exists_yet():
@@ -402,16 +403,16 @@ def _command_bad_values(k: schema.Key) -> list[str]:
 # Flags whose every string is a valid value; their other checks are named here.
 _COMMAND_OTHER_CHECKS = {"workdir": "rule workdir_holds_run", "users": "rule users_file_exists",
                          "out": "any path (created)"}
-COMMAND_CASES = [(command, k.path, v) for command, keys in config_schema.COMMAND_FLAGS.items()
+COMMAND_CASES = [(command, k.path, v) for command, keys in config_keys.COMMAND_FLAGS.items()
                  for k in keys for v in _command_bad_values(k)]
 
 
 def _command_main(command: str):
-  return importlib.import_module(f"trainer.{command}").main
+  return importlib.import_module(f"trainer.commands.{command}").main
 
 
 def test_every_command_flag_is_described_and_checked():
-  for command, keys in config_schema.COMMAND_FLAGS.items():
+  for command, keys in config_keys.COMMAND_FLAGS.items():
     for k in keys:
       assert _command_bad_values(k) or k.path in _COMMAND_OTHER_CHECKS, (command, k.path)
     assert callable(_command_main(command))
@@ -421,7 +422,7 @@ def test_every_command_flag_is_described_and_checked():
                          ids=[f"{c}--{p}={v}" for c, p, v in COMMAND_CASES])
 def test_every_command_flag_rejects_bad_values(command, path, text, tmp_path, capsys):
   given = {"workdir": str(tmp_path), "out": str(tmp_path / "out"), "top_k": "3"}
-  flags = [f"--{k.path}={given[k.path]}" for k in config_schema.COMMAND_FLAGS[command]
+  flags = [f"--{k.path}={given[k.path]}" for k in config_keys.COMMAND_FLAGS[command]
            if k.path in given]
   assert _command_main(command)([command, *flags, f"--{path}={text}"]) == 2
   captured = capsys.readouterr()
@@ -430,10 +431,10 @@ def test_every_command_flag_rejects_bad_values(command, path, text, tmp_path, ca
   assert captured.out == "" and not os.path.exists(tmp_path / "out")
 
 
-@pytest.mark.parametrize("command", sorted(config_schema.COMMAND_FLAGS))
+@pytest.mark.parametrize("command", sorted(config_keys.COMMAND_FLAGS))
 def test_command_rules_unknown_and_missing_flags(command, tmp_path, capsys):
   main = _command_main(command)
-  keys = {k.path for k in config_schema.COMMAND_FLAGS[command]}
+  keys = {k.path for k in config_keys.COMMAND_FLAGS[command]}
   required = [f"--out={tmp_path / 'out'}"] * ("out" in keys) + ["--top_k=3"] * ("top_k" in keys)
   cases = [
       ([f"--workdir={tmp_path}", *required], f"bad config: --workdir='{tmp_path}': an existing "
@@ -510,11 +511,11 @@ def test_schema_docstring_example_runs():
     (("data", "model"), (-1, 1), 1, (1, 1)),
 ])
 def test_a_minus_one_in_the_mesh_is_filled_from_the_device_count(names, shape, devices, want):
-  from trainer import config_checks  # pylint: disable=import-outside-toplevel
+  from trainer.config import mesh as config_mesh  # pylint: disable=import-outside-toplevel
   config = smoke.get_config()
   config.mesh.axis_names, config.mesh.shape, config.mesh.token_axes = names, shape, names
   config.batch_size = config.eval_batch_size = 64
-  config_checks.check_config(config, devices)
+  config_mesh.check_config(config, devices)
   assert tuple(config.mesh.shape) == want
 
 
@@ -525,12 +526,12 @@ def test_a_minus_one_in_the_mesh_is_filled_from_the_device_count(names, shape, d
     ((-2, 4), r"^config.mesh.shape=\(-2, 4\)"),
 ])
 def test_a_bad_minus_one_mesh_is_one_config_error(shape, message):
-  from trainer import config_checks  # pylint: disable=import-outside-toplevel
+  from trainer.config import mesh as config_mesh  # pylint: disable=import-outside-toplevel
   config = smoke.get_config()
   config.mesh.axis_names, config.mesh.shape = ("data", "model"), shape
   config.mesh.token_axes = ("data", "model")
   with pytest.raises(schema.ConfigError, match=message):
-    config_checks.check_config(config, 8)
+    config_mesh.check_config(config, 8)
 
 
 class _FakeDevice:
@@ -545,15 +546,15 @@ class _FakeDevice:
 
 
 def test_dcn_shape_puts_each_process_in_one_block():
-  from trainer import config_checks  # pylint: disable=import-outside-toplevel
+  from trainer.config import mesh as config_mesh  # pylint: disable=import-outside-toplevel
   config = smoke.get_config()
   config.mesh.axis_names, config.mesh.shape = ("data", "model"), (4, 2)
   config.mesh.dcn_shape = (2, 1)
   devices = [_FakeDevice(i, i // 4) for i in range(8)]
-  grid = config_checks.mesh_devices(config, devices)
+  grid = config_mesh.mesh_devices(config, devices)
   processes = np.vectorize(lambda d: d.process_index)(grid)
   # The data axis spans the two processes: rows 0-1 on one, rows 2-3 on the other.
   assert processes.tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]
-  assert config_checks.slice_count(devices) == 2
+  assert config_mesh.slice_count(devices) == 2
   config.mesh.dcn_shape = None
-  assert config_checks.mesh_devices(config, devices[:8]).shape == (4, 2)
+  assert config_mesh.mesh_devices(config, devices[:8]).shape == (4, 2)

@@ -2,6 +2,7 @@
 
 import hashlib
 import os
+import threading
 
 import jax
 import numpy as np
@@ -9,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainer import config_schema
+from trainer.config import keys as config_keys
 from trainer.data import __main__ as cli
 from trainer.data import engine, pipeline, prepare, storage
 from tests.trainer.test_paths import BUCKET, fake_gcs  # pylint: disable=unused-import
@@ -245,18 +246,18 @@ def test_memory_limit_sizes_and_errors(tmp_path, capsys):
 
 def test_config_keys_of_the_preparation():
   from configs import smoke  # pylint: disable=import-outside-toplevel
-  context = config_schema.Context(device_count=jax.device_count())
+  context = config_keys.Context(device_count=jax.device_count())
   config = smoke.get_config()
   config.data.prepare_memory_limit = "4GB"
   config.data.prepare_shards = 2
-  config_schema.check(config, context)
+  config_keys.check(config, context)
   config.data.prepare_memory_limit = "many"
   with pytest.raises(ValueError, match="prepare_memory_limit"):
-    config_schema.check(config, context)
+    config_keys.check(config, context)
   config.data.prepare_memory_limit = None
   config.data.prepare_shards = 0
   with pytest.raises(ValueError, match="prepare_shards"):
-    config_schema.check(config, context)
+    config_keys.check(config, context)
 
 
 def test_gs_raw_files_and_prepared_shards(fake_gcs, tmp_path, capsys):
@@ -298,7 +299,37 @@ def test_gs_raw_files_and_prepared_shards(fake_gcs, tmp_path, capsys):
 def test_yambda5b_preset_checks_on_its_slice():
   from configs import yambda5b_v6e16  # pylint: disable=import-outside-toplevel
   config = yambda5b_v6e16.get_config()
-  config_schema.check(config, config_schema.Context(device_count=16, process_count=4))
+  config_keys.check(config, config_keys.Context(device_count=16, process_count=4))
   assert config.data.prepare_shards % 4 == 0
   assert engine.parse_memory_limit(config.data.prepare_memory_limit) == 64 * 10**9
   assert config.mesh.shape[0] * config.mesh.shape[1] == 16
+
+
+def test_prefetched_reads_ahead_in_order_and_raises_where_the_reader_failed():
+  def reader(fail_at=None):
+    for index in range(50):
+      if index == fail_at:
+        raise ValueError(f"bad batch {index}")
+      yield index
+
+  assert list(engine._prefetched(reader())) == list(range(50))  # pylint: disable=protected-access
+  seen = []
+  with pytest.raises(ValueError, match="bad batch 7"):
+    for item in engine._prefetched(reader(fail_at=7)):  # pylint: disable=protected-access
+      seen.append(item)
+  assert seen == list(range(7))
+  stream = engine._prefetched(reader())  # pylint: disable=protected-access
+  assert [next(stream) for _ in range(3)] == [0, 1, 2]
+  stream.close()  # the consumer stops early: the reader thread ends too
+  assert not any(t.name == "prepare-read" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_long_preparation_says_how_far_it_is(caplog):
+  progress = engine._Progress(every=100, quiet_s=0)  # pylint: disable=protected-access
+  with caplog.at_level("INFO", logger="trainer.data.engine"):
+    progress.rows(50, "below the step")
+    progress.rows(250, "past two steps")
+    progress.rows(290, "same step")
+    progress.rows(300, "the next one")
+  assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+      "prepare: past two steps", "prepare: the next one"]

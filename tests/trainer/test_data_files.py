@@ -16,12 +16,12 @@ import pytest
 from ml_collections import config_dict
 
 from configs import ml1m, smoke
-from trainer import config_schema, schema
+from trainer.config import keys as config_keys, schema
 from trainer.data import __main__ as cli
 from trainer.data import files, prepare, preprocess, sources, storage, yambda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EIGHT = config_schema.Context(device_count=8)
+EIGHT = config_keys.Context(device_count=8)
 
 # Two users, string ids, ISO times; user "bob" listened to "b" too briefly.
 ROWS = [
@@ -403,19 +403,19 @@ def _files_config(tmp_path, **options):
 
 
 def test_config_accepts_files_and_names_the_source_keys(tmp_path):
-  config_schema.check(_files_config(tmp_path, filter="ratio>=50", time_unit="ms"), EIGHT)
+  config_keys.check(_files_config(tmp_path, filter="ratio>=50", time_unit="ms"), EIGHT)
   config = _files_config(tmp_path, user_column="uid")
   with pytest.raises(schema.ConfigError, match=(
       r"^config\.data\.source_options\.user_column='uid': unknown key; config\.data\."
       r"source_options holds path, user_col, item_col, time_col, filter, time_unit when "
       r"config\.data\.dataset='files'$")):
-    config_schema.check(config, EIGHT)
+    config_keys.check(config, EIGHT)
   with pytest.raises(schema.ConfigError, match=r"^config\.data\.source_options\.filter='r=5': "
                      "None or expected e.g."):
-    config_schema.check(_files_config(tmp_path, filter="r=5"), EIGHT)
+    config_keys.check(_files_config(tmp_path, filter="r=5"), EIGHT)
   with pytest.raises(schema.ConfigError, match=r"^config\.data\.source_options\.path=.*: a file, "
                      r"folder or glob of data files \(nothing is prepared in .* yet"):
-    config_schema.check(_files_config(tmp_path), config_schema.Context(
+    config_keys.check(_files_config(tmp_path), config_keys.Context(
         device_count=8, workdir=str(tmp_path / "work")))
   assert prepare.default_min_item_count("files") == 1
   assert prepare.default_min_item_count("a-source-without-entry") == 1
@@ -427,23 +427,23 @@ def test_unknown_override_lists_each_datasets_options():
   with pytest.raises(schema.ConfigError, match=(
       r"config\.data\.source_options\.cachedir='/x': unknown key; config\.data\.source_options "
       r"holds, by config\.data\.dataset: 'ml-1m': cache_dir; .*'files': path, user_col")):
-    config_schema.check_overrides(argv)
+    config_keys.check_overrides(argv)
 
 
 def test_overrides_may_add_described_option_keys_to_a_locked_config():
   config = ml1m.get_config()
   config.lock()
-  added = config_schema.add_option_keys(config, [
+  added = config_keys.add_option_keys(config, [
       "data.source_options.cache_dir", "data.source_options.nope", "model.dim"])
   assert added == ["data.source_options.cache_dir"]
   assert config.is_locked and config.data.source_options.cache_dir is None
   assert config.data.source_options.get_type("cache_dir") is str
   config.data.source_options.cache_dir = "/tmp/cache"  # what the override does
-  config_schema.check(config, EIGHT)
+  config_keys.check(config, EIGHT)
   with pytest.raises(AttributeError):
     config.data.source_options.other = 1  # still locked
   assert isinstance(config.data.source_options, config_dict.ConfigDict)
-  assert config_schema.add_option_keys(config, ["data.split_options.gap"]) == [
+  assert config_keys.add_option_keys(config, ["data.split_options.gap"]) == [
       "data.split_options.gap"]
   assert config.data.split_options.get_type("gap") is int
 
@@ -518,11 +518,11 @@ def test_config_stops_on_an_explicit_prepared_dir_of_other_options(tmp_path):
                           source_options=dict(path=str(path), **COLUMNS))
   config = _files_config(tmp_path, filter="ratio>=50")
   config["data"]["prepared_dir"] = str(tmp_path / "prepared")
-  context = config_schema.Context(device_count=8, workdir=str(tmp_path / "work"))
+  context = config_keys.Context(device_count=8, workdir=str(tmp_path / "work"))
   with pytest.raises(schema.ConfigError, match=(
       r"^config\.data\.prepared_dir='.*prepared': a folder holding nothing yet or this data "
       r"prepared with these options; it was prepared with other options \(source_options\."
       r"filter: prepared None, asked 'ratio>=50'\)")):
-    config_schema.check(config, context)
+    config_keys.check(config, context)
   config["data"]["source_options"].pop("filter")
-  config_schema.check(config, context)
+  config_keys.check(config, context)

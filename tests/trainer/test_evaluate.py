@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 import cutbce
-from trainer import config_checks, evaluate
+from trainer import evaluate
+from trainer.config import mesh as config_mesh
 from tests.cutbce import np_reference
 from trainer import train as train_lib
 
@@ -17,9 +18,9 @@ def test_eval_matches_numpy_ranking(smoke_config, filter_seen, vocab_axis):
   config = smoke_config
   config.mesh.axis_names, config.mesh.shape = ("data", "model"), (2, 4)
   config.mesh.token_axes, config.mesh.vocab_axis = ("data",), vocab_axis
-  mesh = config_checks.make_mesh(config)
+  mesh = config_mesh.make_mesh(config)
   num_items, batch, seq_len, num_targets, num_exclude = 29, 8, 16, 3, 5
-  vocab_shards = config_checks.vocab_shard_count(config)
+  vocab_shards = config_mesh.vocab_shard_count(config)
   model = train_lib.make_model(config.model, num_items=num_items, seq_len=seq_len,
                                vocab_shards=vocab_shards, seed=3)
   graphdef, params = nnx.split(model)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trainer import export, loop, model as model_lib, train as train_lib
-from trainer import workdir as workdir_lib
+from trainer import loop, model as model_lib, train as train_lib
+from trainer.commands import export, workdir as workdir_lib
 
 
 def test_bias_starts_at_minus_log_v_and_shards_like_the_table_rows():

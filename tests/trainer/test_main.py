@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from configs import base, ml1m, ml1m_best, ml1m_cpu, smoke, synthetic_1m, yambda50m_v6e8
-from trainer import config_checks
+from trainer.config import mesh as config_mesh, schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REQUIRED = ("seed", "train_steps", "batch_size", "seq_len", "num_targets", "mesh", "model",
@@ -24,7 +24,7 @@ def test_every_config_is_complete_and_valid(module):
   devices = 1
   for size in config.mesh.shape:
     devices *= size
-  config_checks.check_config(config, device_count=devices)
+  config_mesh.check_config(config, device_count=devices)
 
 
 def test_yambda_config_is_the_paper_setting():
@@ -51,8 +51,8 @@ def test_yambda_config_is_the_paper_setting():
 def test_bad_config_is_explained(change, message):
   config = smoke.get_config()
   change(config)
-  with pytest.raises(config_checks.ConfigError, match="^" + message):
-    config_checks.check_config(config, device_count=8)
+  with pytest.raises(schema.ConfigError, match="^" + message):
+    config_mesh.check_config(config, device_count=8)
 
 
 def test_main_rejects_a_bad_mesh_before_any_work(tmp_path):

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trainer import evaluate, export, recommend, workdir as workdir_lib
+from trainer import evaluate
+from trainer.commands import evaluate as evaluate_command, export, recommend, workdir as workdir_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_USERS, NUM_SONGS, WALK = 160, 40, 12
@@ -93,7 +94,7 @@ def test_prepared_data_keeps_the_raw_string_ids(run):
 
 def test_evaluate_learns_the_planted_walk(run, capsys):
   workdir, _ = run
-  status, out, err = _run(evaluate, capsys, f"--workdir={workdir}", "--split=test")
+  status, out, err = _run(evaluate_command, capsys, f"--workdir={workdir}", "--split=test")
   assert status == 0, err
   record = json.loads(out.splitlines()[-1])
   assert record["metrics"]["test"]["num_users"] == NUM_USERS

@@ -31,7 +31,9 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from orbax.checkpoint._src.path import gcs_utils
 
-from trainer import config_schema, logs, loop, paths, run_config, workdir as workdir_lib
+from trainer import logs, loop, paths
+from trainer.config import keys as config_keys, saved as saved_config
+from trainer.commands import workdir as workdir_lib
 from trainer.data import prepare, storage
 
 BUCKET = "gs://bucket"
@@ -103,7 +105,7 @@ def fake_gcs(tmp_path, monkeypatch):
 
 
 def test_docstring_examples():
-  for module in (paths, config_schema):
+  for module in (paths, config_keys):
     assert doctest.testmod(module).failed == 0
 
 
@@ -175,7 +177,7 @@ def test_a_run_in_a_bucket_resumes_and_equals_a_local_run(fake_gcs, smoke_config
     assert any(path.startswith(f"{workdir}/{prefix}") for path in fake_gcs.opened), prefix
   stored = os.listdir(fake_gcs.local(workdir))
   assert {"config.json", "metrics.jsonl", "checkpoints", "data", "tensorboard"} <= set(stored)
-  assert run_config.read(workdir).train_steps == 9
+  assert saved_config.read(workdir).train_steps == 9
   # The commands after training read the run from the bucket too.
   run = workdir_lib.open_run(workdir, which="latest", say=lambda line: None)
   assert run.step == 9 and run.data.num_items == 300

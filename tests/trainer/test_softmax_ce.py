@@ -13,17 +13,18 @@ import jax
 import numpy as np
 
 from configs import smoke
-from trainer import config_checks, loop
+from trainer import loop
+from trainer.config import mesh as config_mesh
 from trainer import data as data_lib
 from trainer import train as train_lib
 
 
 def _loss_and_grads(config, data, batch, backend):
   """The step's loss, stats and parameter gradients with `backend` (dropout off)."""
-  mesh = config_checks.make_mesh(config)
+  mesh = config_mesh.make_mesh(config)
   graphdef, _, _, state, _ = train_lib.create_sharded_state(
       config, num_items=data.num_items, mesh=mesh,
-      vocab_shards=config_checks.vocab_shard_count(config))
+      vocab_shards=config_mesh.vocab_shard_count(config))
   settings = train_lib.StepSettings(
       mesh=mesh, token_axes=tuple(config.mesh.token_axes), vocab_axis=config.mesh.vocab_axis,
       num_items=data.num_items, seed=config.seed, backend=backend,
@@ -46,7 +47,7 @@ def test_cut_loss_and_gradients_equal_the_dense_reference_in_the_step(smoke_data
   config.model.dropout_rate = 0.0
   config.mesh.axis_names, config.mesh.shape = ("data", "model"), (2, 4)
   config.mesh.token_axes, config.mesh.vocab_axis = ("data", "model"), "model"
-  config_checks.check_config(config)
+  config_mesh.check_config(config)
   data = loop.prepare_data(config, str(tmp_path))
   iterator = data_lib.train_iterator(
       data, seq_len=config.seq_len, num_targets=config.num_targets,

@@ -122,12 +122,12 @@ def test_yambda_train_step_exports_for_tpu():
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from configs import yambda50m_v6e8  # pylint: disable=import-outside-toplevel
-  from trainer import config_checks  # pylint: disable=import-outside-toplevel
+  from trainer.config import mesh as config_mesh  # pylint: disable=import-outside-toplevel
   config = yambda50m_v6e8.get_config()
   config.loss.backend = "pallas_tpu"
-  config_checks.check_config(config, device_count=8)
-  mesh = config_checks.make_mesh(config)
-  num_items, vocab_shards = 876_939, config_checks.vocab_shard_count(config)
+  config_mesh.check_config(config, device_count=8)
+  mesh = config_mesh.make_mesh(config)
+  num_items, vocab_shards = 876_939, config_mesh.vocab_shard_count(config)
   tx = train_lib.make_optimizer(config.optimizer, config.train_steps)
   schedule = train_lib.learning_rate_schedule(config.optimizer, config.train_steps)
 

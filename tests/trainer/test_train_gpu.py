@@ -11,7 +11,8 @@ import jax
 import numpy as np
 
 from tests.trainer import test_train_pallas as pallas_tests
-from trainer import config_checks, loop
+from trainer import loop
+from trainer.config import mesh as config_mesh
 from trainer import data as data_lib
 from trainer import train as train_lib
 
@@ -20,10 +21,10 @@ MESH = (("data", "model"), (2, 4), ("data", "model"), "model")
 
 def _train(config, data, batches, backend):
   """(initial params, metrics per step, final params) of the steps with `backend`."""
-  mesh = config_checks.make_mesh(config)
+  mesh = config_mesh.make_mesh(config)
   graphdef, tx, schedule, state, shardings = train_lib.create_sharded_state(
       config, num_items=data.num_items, mesh=mesh,
-      vocab_shards=config_checks.vocab_shard_count(config))
+      vocab_shards=config_mesh.vocab_shard_count(config))
   settings = train_lib.StepSettings(
       mesh=mesh, token_axes=tuple(config.mesh.token_axes), vocab_axis=config.mesh.vocab_axis,
       num_items=data.num_items, seed=config.seed, backend=backend,

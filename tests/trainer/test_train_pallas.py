@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from configs import smoke
-from trainer import config_checks, loop
+from trainer import loop
+from trainer.config import mesh as config_mesh
 from trainer import data as data_lib
 from trainer import train as train_lib
 
@@ -41,7 +42,7 @@ def _config(prepared_dir, mesh):
   config.mesh.axis_names, config.mesh.shape, config.mesh.token_axes, config.mesh.vocab_axis = mesh
   config.model.dropout_rate = 0.0  # the same step with either backend
   config.optimizer.warmup_steps = 1  # full learning rate from the second step on
-  config_checks.check_config(config)
+  config_mesh.check_config(config)
   return config
 
 
@@ -50,10 +51,10 @@ def _train(config, data, batches, backend):
 
   Returns (initial params, metrics per step, final params), all on the host.
   """
-  mesh = config_checks.make_mesh(config)
+  mesh = config_mesh.make_mesh(config)
   graphdef, tx, schedule, state, shardings = train_lib.create_sharded_state(
       config, num_items=data.num_items, mesh=mesh,
-      vocab_shards=config_checks.vocab_shard_count(config))
+      vocab_shards=config_mesh.vocab_shard_count(config))
   settings = train_lib.StepSettings(
       mesh=mesh, token_axes=tuple(config.mesh.token_axes), vocab_axis=config.mesh.vocab_axis,
       num_items=data.num_items, seed=config.seed, backend=backend,

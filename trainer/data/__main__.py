@@ -4,7 +4,7 @@ Prints one JSON line: ``num_users``, ``num_items``, ``num_interactions``,
 ``train_interactions``, ``train_examples`` (training windows of
 ``--seq-len`` inputs), ``validation_examples``, ``test_examples``, and the
 dataset and split names. Every flag is checked first against ``FLAG_KEYS``
-(a :mod:`trainer.schema` description) and ``FLAG_RULES``: a bad one exits
+(a :mod:`trainer.config.schema` description) and ``FLAG_RULES``: a bad one exits
 with code 2 and one line ``bad config: --<flag>=<value>: <what is allowed>``;
 bad data (a missing column, an unreadable time, ...) exits 2 with one line
 ``error: ...`` naming the file and the column.
@@ -27,13 +27,15 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
 
-from trainer import schema
+from trainer.config import schema
 from trainer.data import engine, files, prepare, sources, splits, yambda
-from trainer.schema import FLOAT, INT, STR, above, at_least, key, one_of, unit
+from trainer.config.schema import FLOAT, INT, STR, above, at_least, key, one_of, unit
 
 _IDS = schema.Range(1, 2**31 - 1)
 
@@ -272,6 +274,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   return argparse.Namespace(**values)
 
 
+@contextlib.contextmanager
+def _progress_on_stderr():
+  """The preparation's progress lines (logger ``trainer.data``, INFO) on stderr, meanwhile."""
+  logger = logging.getLogger("trainer.data")
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter("%(message)s"))
+  level, propagate = logger.level, logger.propagate
+  logger.addHandler(handler)
+  logger.setLevel(logging.INFO)
+  logger.propagate = False  # once, whatever handlers the root logger has
+  try:
+    yield
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = propagate
+
+
 def main(argv: list[str] | None = None) -> int:
   try:
     args = parse_args(argv)
@@ -284,12 +304,13 @@ def main(argv: list[str] | None = None) -> int:
       split_options = {"test_window": args.test_window,
                        "validation_window": args.validation_window,
                        "gap": args.gap}
-    manifest = prepare.prepare_dataset(
-        args.dataset, args.out, min_item_count=args.min_item_count,
-        min_user_count=args.min_user_count, split=args.split,
-        split_options=split_options, source_options=source_options(args),
-        seq_lens=(args.seq_len,), num_shards=args.num_shards, engine=args.engine,
-        memory_limit=args.memory_limit, temp_dir=args.temp_dir)
+    with _progress_on_stderr():
+      manifest = prepare.prepare_dataset(
+          args.dataset, args.out, min_item_count=args.min_item_count,
+          min_user_count=args.min_user_count, split=args.split,
+          split_options=split_options, source_options=source_options(args),
+          seq_lens=(args.seq_len,), num_shards=args.num_shards, engine=args.engine,
+          memory_limit=args.memory_limit, temp_dir=args.temp_dir)
   except (ValueError, TypeError, OSError, RuntimeError) as error:
     message = str(error).replace("\n", " ")  # one line, whatever pyarrow said
     print(f"error: {message}", file=sys.stderr)

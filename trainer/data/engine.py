@@ -26,7 +26,7 @@ while holding only per-user and per-item arrays and one batch of events:
    while the per-user counts the temporal split needs are summed.
 4. The split, the manifest and the small arrays come from the same code as
    the in-memory path (:func:`trainer.data.splits.split_from_counts`,
-   :func:`trainer.data.prepare.build_manifest`,
+   :func:`trainer.data.storage.build_manifest`,
    :func:`trainer.data.storage.write_prepared`).
 
 DuckDB's memory limit bounds its own buffers (hash tables, sort runs, the
@@ -49,10 +49,14 @@ docs/data.md).
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import re
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -62,9 +66,10 @@ import pyarrow.parquet as pq
 
 from trainer import paths
 from trainer.data import files as files_lib
-from trainer.data import prepare, splits, storage
+from trainer.data import splits, storage
 from trainer.data.sources import DataError
 
+_LOG = logging.getLogger(__name__)
 # Rows per parquet read batch, and per batch of sorted output.
 BATCH_ROWS = 1 << 21
 OUTPUT_ROWS = 1 << 21
@@ -104,6 +109,33 @@ def default_memory_limit() -> int:
 # --------------------------------------------------------------------------- #
 # 1. Read                                                                      #
 # --------------------------------------------------------------------------- #
+
+
+class _Progress:
+  """Progress lines of a long preparation: logger ``trainer.data.engine``, level INFO.
+
+  ``python -m trainer.data`` shows them on stderr. Each line gives the
+  seconds since the preparation started; counts are logged at most every
+  ``every`` rows, and nothing in the first ``quiet_s`` seconds (a small
+  preparation prints nothing).
+  """
+
+  def __init__(self, every: int = 100_000_000, quiet_s: float = 10.0):
+    self.start = time.perf_counter()
+    self.every = every
+    self.next = every
+    self.quiet_s = quiet_s
+
+  def __call__(self, message: str) -> None:
+    elapsed = time.perf_counter() - self.start
+    if elapsed >= self.quiet_s:
+      _LOG.info("prepare: %s (%.0f s)", message, elapsed)
+
+  def rows(self, done: int, message: str) -> None:
+    """Logs ``message`` once ``done`` has passed the next multiple of ``every``."""
+    if done >= self.next:
+      self(message)
+      self.next = (done // self.every + 1) * self.every
 
 
 def _is_text_type(kind: pa.DataType) -> bool:
@@ -172,24 +204,15 @@ def _split_ids(column: pa.ChunkedArray) -> tuple[pa.Array, pa.Array]:
   return nulls_int, column
 
 
-def _load(connection, scan: files_lib.FileScan) -> tuple[int, _IdStats, _IdStats]:
-  """Reads every file into table ``raw``; returns (rows after the filter, user and item id stats).
-
-  Raises:
-    DataError, DataTypeError: as :func:`trainer.data.files.read_interactions`.
-  """
+def _batches(scan: files_lib.FileScan, users: _IdStats, items: _IdStats):
+  """Yields ``(rows read, table of raw's columns but seq)`` for each batch of every file."""
   condition = files_lib.check_scan(scan)
   columns = files_lib.scan_columns(scan, condition)
-  connection.execute(
-      "CREATE TABLE raw (u_int BIGINT, u_str VARCHAR, i_int BIGINT, i_str VARCHAR, "
-      "t BIGINT, seq BIGINT)")
-  users, items = _IdStats(), _IdStats()
-  rows = kept = 0
   for file in scan.files:
     from_text = files_lib.file_format(file) in ("csv", "tsv")
     for table in _tables(file, columns):
       table = files_lib._decoded(table)  # pylint: disable=protected-access
-      rows += table.num_rows
+      rows = table.num_rows
       if condition is not None:
         table = files_lib.apply_filter(table, condition, file,
                                        keep_null=scan.filter_keeps_null)
@@ -201,21 +224,79 @@ def _load(connection, scan: files_lib.FileScan) -> tuple[int, _IdStats, _IdStats
                                    scan.time_unit).astype(np.int64, copy=False)
       users.add(user)
       items.add(item)
-      count = table.num_rows
-      batch = pa.table(
-          dict(zip(("u_int", "u_str"), _split_ids(user)))
-          | dict(zip(("i_int", "i_str"), _split_ids(item)))
-          | {"t": time, "seq": np.arange(kept, kept + count, dtype=np.int64)})
-      connection.register("batch", batch)
-      connection.execute("INSERT INTO raw SELECT * FROM batch")
-      connection.unregister("batch")
-      kept += count
+      yield rows, pa.table(dict(zip(("u_int", "u_str"), _split_ids(user)))
+                           | dict(zip(("i_int", "i_str"), _split_ids(item))) | {"t": time})
+
+
+def _prefetched(iterator, depth: int = 1):
+  """``iterator``'s items in order, the next ``depth`` made by a thread meanwhile.
+
+  Reading and decoding a batch (pyarrow) and inserting the previous one
+  (DuckDB) both release the GIL, so the two overlap. An exception of the
+  thread is raised here, at the item it stopped at.
+  """
+  items = queue.Queue(maxsize=depth)
+  stop = threading.Event()
+  done = object()
+
+  def produce():
+    try:
+      for item in iterator:
+        while not stop.is_set():
+          try:
+            items.put((item, None), timeout=0.1)
+            break
+          except queue.Full:
+            continue
+        if stop.is_set():
+          return
+      items.put((done, None))
+    except BaseException as error:  # pylint: disable=broad-except  (raised in the consumer)
+      items.put((done, error))
+
+  thread = threading.Thread(target=produce, name="prepare-read", daemon=True)
+  thread.start()
+  try:
+    while True:
+      item, error = items.get()
+      if error is not None:
+        raise error
+      if item is done:
+        return
+      yield item
+  finally:
+    stop.set()
+    thread.join()
+
+
+def _load(connection, scan: files_lib.FileScan,
+          progress: _Progress) -> tuple[int, _IdStats, _IdStats]:
+  """Reads every file into table ``raw``; returns (rows after the filter, user and item id stats).
+
+  Raises:
+    DataError, DataTypeError: as :func:`trainer.data.files.read_interactions`.
+  """
+  connection.execute(
+      "CREATE TABLE raw (u_int BIGINT, u_str VARCHAR, i_int BIGINT, i_str VARCHAR, "
+      "t BIGINT, seq BIGINT)")
+  users, items = _IdStats(), _IdStats()
+  rows = kept = 0
+  for read, table in _prefetched(_batches(scan, users, items)):
+    rows += read
+    count = table.num_rows
+    batch = table.append_column("seq", pa.array(np.arange(kept, kept + count, dtype=np.int64)))
+    connection.register("batch", batch)
+    connection.execute("INSERT INTO raw SELECT * FROM batch")
+    connection.unregister("batch")
+    kept += count
+    progress.rows(rows, f"read {rows:,} rows")
   where = files_lib.describe_files(scan.files)
   if rows == 0:
     raise DataError(f"{where} has no rows; expected at least one interaction")
   if kept == 0:
     raise DataError(f"{where} has no interactions left after filter {scan.filter!r} "
                     f"({rows} rows read); expected at least one row to pass")
+  progress(f"read {rows:,} rows of {where}, {kept:,} kept")
   return kept, users, items
 
 
@@ -281,7 +362,7 @@ def _remap(connection, *, min_item_count: int, min_user_count: int,
 
 
 def _write_events(connection, out, *, offsets: np.ndarray, num_shards: int,
-                  thresholds: list[int]) -> list[np.ndarray]:
+                  thresholds: list[int], progress: _Progress) -> list[np.ndarray]:
   """Streams the sorted events into the event files; returns per-user counts below each threshold."""
   folder = paths.as_path(out)
   folder.mkdir(parents=True, exist_ok=True)
@@ -297,9 +378,13 @@ def _write_events(connection, out, *, offsets: np.ndarray, num_shards: int,
         "SELECT CAST(kept_users.dense AS INTEGER) AS user, CAST(kept_items.dense AS INTEGER) "
         "AS item, t FROM events JOIN kept_users USING (u) JOIN kept_items USING (i) "
         "ORDER BY user, t, seq")  # user: 4 bytes of sort key, not 8
+    progress(f"sorting {int(offsets[-1]):,} events by user, time and file order")
     reader = _arrow_reader(result, OUTPUT_ROWS)
     position = 0
+    progress.next = progress.every
     for batch in reader:
+      if position == 0:
+        progress("sorted; writing the event files")
       user = batch.column(0).to_numpy()
       item = batch.column(1).to_numpy()
       time = batch.column(2).to_numpy()
@@ -310,6 +395,7 @@ def _write_events(connection, out, *, offsets: np.ndarray, num_shards: int,
                                                    minlength=stop - first)
       start = position
       position += user.shape[0]
+      progress.rows(position, f"written {position:,} of {int(offsets[-1]):,} sorted events")
       for shard in range(num_shards):  # the parts of this batch in each shard
         low, high = max(start, rows[shard]), min(position, rows[shard + 1])
         if low < high:
@@ -366,6 +452,7 @@ def prepare_scan(scan: files_lib.FileScan, out: str | os.PathLike, *, dataset: s
   """
   import duckdb  # pylint: disable=import-outside-toplevel
 
+  progress = _Progress()
   storage.remove_manifest(out)
   limit = default_memory_limit() if memory_limit is None else parse_memory_limit(memory_limit)
   split_options = dict(split_options or {})
@@ -381,7 +468,7 @@ def prepare_scan(scan: files_lib.FileScan, out: str | os.PathLike, *, dataset: s
       connection.execute(f"SET temp_directory = '{os.path.join(work, 'spill')}'")
       connection.execute(f"SET threads = {int(threads or os.cpu_count() or 1)}")
       connection.execute("SET preserve_insertion_order = false")
-      rows, users, items = _load(connection, scan)
+      rows, users, items = _load(connection, scan, progress)
       _remap(connection, min_item_count=min_item_count, min_user_count=min_user_count,
              users=users, items=items, name=scan.name, rows=rows)
       per_user = _arrow_table(connection.sql("SELECT n, t_max FROM kept_users ORDER BY dense"))
@@ -394,8 +481,10 @@ def prepare_scan(scan: files_lib.FileScan, out: str | os.PathLike, *, dataset: s
                 if split == "gts" else None)
       names = ("train_end", "test_start_minus_gap", "test_start", "validation_start")
       thresholds = [bounds[name] for name in names] if bounds else []
+      progress(f"{lengths.shape[0]:,} users and their {int(offsets[-1]):,} events kept, "
+               "dense ids given")
       counts = _write_events(connection, out, offsets=offsets, num_shards=num_shards,
-                             thresholds=thresholds)
+                             thresholds=thresholds, progress=progress)
       user_ids = _raw_ids(connection, "kept_users", "u", users)
       item_ids = _raw_ids(connection, "kept_items", "i", items)
     finally:
@@ -403,7 +492,7 @@ def prepare_scan(scan: files_lib.FileScan, out: str | os.PathLike, *, dataset: s
   finally:
     shutil.rmtree(work, ignore_errors=True)
   parts = splits.split_from_counts(split, lengths, dict(zip(names, counts)), bounds)
-  manifest = prepare.build_manifest(
+  manifest = storage.build_manifest(
       dataset=dataset, source_options=source_options, raw_interactions=rows,
       min_item_count=min_item_count, min_user_count=min_user_count, parts=parts,
       num_users=lengths.shape[0], num_items=item_ids.shape[0],
@@ -414,4 +503,5 @@ def prepare_scan(scan: files_lib.FileScan, out: str | os.PathLike, *, dataset: s
             "validation": parts.validation, "test": parts.test,
             "user_ids": user_ids, "item_ids": item_ids}
   storage.write_prepared(out, arrays, manifest, num_shards=num_shards)
+  progress(f"wrote {out}")
   return storage.load_prepared(out).manifest

@@ -18,11 +18,8 @@ import os
 import pathlib
 from collections.abc import Mapping
 
-import numpy as np
-
 from trainer import paths
 from trainer.data import preprocess, sources, splits, storage
-from trainer.data.windows import num_train_windows
 
 # Minimum interactions per item when the caller does not say: the SASRec
 # preparation for MovieLens (>= 5), everything for Yambda and your own files,
@@ -79,10 +76,6 @@ def full_source_options(dataset: str, source_options: Mapping | None) -> dict:
       options[name] = parameter.default
   options.update(dict(source_options or {}))
   return {k: _json_value(v) for k, v in options.items()}
-
-
-def _max_or_zero(values: np.ndarray) -> int:
-  return int(values.max()) if values.size else 0
 
 
 def _check_options(split: str, seq_lens: tuple[int, ...]) -> None:
@@ -355,7 +348,7 @@ def prepare_interactions(raw: sources.Interactions, out: str | os.PathLike, *,
       raw, min_item_count=min_item_count, min_user_count=min_user_count)
   del raw
   parts = splits.make_split(sequences, split, **dict(split_options or {}))
-  manifest = build_manifest(
+  manifest = storage.build_manifest(
       dataset=dataset, source_options=source_options, raw_interactions=raw_size,
       min_item_count=min_item_count, min_user_count=min_user_count, parts=parts,
       num_users=sequences.num_users, num_items=sequences.num_items,
@@ -368,37 +361,3 @@ def prepare_interactions(raw: sources.Interactions, out: str | os.PathLike, *,
   }
   storage.write_prepared(out, arrays, manifest, num_shards=num_shards)
   return storage.load_prepared(out).manifest
-
-
-def build_manifest(*, dataset: str, source_options: Mapping | None, raw_interactions: int,
-                   min_item_count: int, min_user_count: int, parts: splits.Split,
-                   num_users: int, num_items: int, num_interactions: int,
-                   seq_lens: tuple[int, ...]) -> dict:
-  """The manifest of a preparation (before :func:`storage.write_prepared` adds the array table).
-
-  Every preparation path (in memory, or :mod:`trainer.data.engine`) builds it
-  here, so the same data gives the same manifest.
-  """
-  validation, test = parts.validation, parts.test
-  history = np.concatenate([validation[:, 1], test[:, 1]])
-  return {
-      "dataset": dataset,
-      "source_options": {k: (str(v) if isinstance(v, pathlib.PurePath) else v)
-                         for k, v in dict(source_options or {}).items()},
-      "raw_interactions": int(raw_interactions),
-      "min_item_count": int(min_item_count),
-      "min_user_count": int(min_user_count),
-      "split": {"kind": parts.kind, **parts.params},
-      "num_users": int(num_users),
-      "num_items": int(num_items),
-      "num_interactions": int(num_interactions),
-      "train_interactions": int(parts.train_lengths.sum()),
-      "validation_examples": int(validation.shape[0]),
-      "test_examples": int(test.shape[0]),
-      "max_train_length": _max_or_zero(parts.train_lengths),
-      "max_history": _max_or_zero(history),
-      "max_validation_targets": _max_or_zero(validation[:, 3] - validation[:, 2]),
-      "max_test_targets": _max_or_zero(test[:, 3] - test[:, 2]),
-      "train_windows": {str(int(n)): num_train_windows(parts.train_lengths, n)
-                        for n in seq_lens},
-  }

@@ -51,12 +51,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 from collections.abc import Mapping
 
 import numpy as np
 from etils import epath
 
 from trainer import paths
+from trainer.data import splits, windows
 
 MANIFEST = "manifest.json"
 FORMAT = "cutbce-prepared"
@@ -222,6 +224,45 @@ class PreparedDataset:
       raise ValueError(
           f"unknown evaluation split {split!r}; expected 'validation' or 'test'")
     return getattr(self, split)
+
+
+def build_manifest(*, dataset: str, source_options: Mapping | None, raw_interactions: int,
+                   min_item_count: int, min_user_count: int, parts: splits.Split,
+                   num_users: int, num_items: int, num_interactions: int,
+                   seq_lens: tuple[int, ...]) -> dict:
+  """The manifest of a preparation (before :func:`write_prepared` adds the array table).
+
+  Every preparation path (in memory, :mod:`trainer.data.prepare`, or out of core,
+  :mod:`trainer.data.engine`) builds it
+  here, so the same data gives the same manifest.
+  """
+  validation, test = parts.validation, parts.test
+  history = np.concatenate([validation[:, 1], test[:, 1]])
+  return {
+      "dataset": dataset,
+      "source_options": {k: (str(v) if isinstance(v, pathlib.PurePath) else v)
+                         for k, v in dict(source_options or {}).items()},
+      "raw_interactions": int(raw_interactions),
+      "min_item_count": int(min_item_count),
+      "min_user_count": int(min_user_count),
+      "split": {"kind": parts.kind, **parts.params},
+      "num_users": int(num_users),
+      "num_items": int(num_items),
+      "num_interactions": int(num_interactions),
+      "train_interactions": int(parts.train_lengths.sum()),
+      "validation_examples": int(validation.shape[0]),
+      "test_examples": int(test.shape[0]),
+      "max_train_length": _max_or_zero(parts.train_lengths),
+      "max_history": _max_or_zero(history),
+      "max_validation_targets": _max_or_zero(validation[:, 3] - validation[:, 2]),
+      "max_test_targets": _max_or_zero(test[:, 3] - test[:, 2]),
+      "train_windows": {str(int(n)): windows.num_train_windows(parts.train_lengths, n)
+                        for n in seq_lens},
+  }
+
+
+def _max_or_zero(values: np.ndarray) -> int:
+  return int(values.max()) if values.size else 0
 
 
 def remove_manifest(path: str | os.PathLike) -> None:

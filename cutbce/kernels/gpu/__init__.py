@@ -4,7 +4,10 @@ Honours the backend contract written in `cutbce/kernels/xla.py` (forward,
 backward, forward_backward, rank_counts, default_plan, unsupported_reason).
 `kernels` holds the Pallas kernels, `plan` the tile planner (from the
 device's description), `targets` the NVIDIA target configs they are compiled
-for without a GPU. Design and compiled memory: docs/kernels.md.
+for without a GPU, `compiled` the loss compiled for a target. Imports:
+`targets` nothing of cutbce, `plan` targets and the tiling types, `kernels`
+the plan, `compiled` the ops (`cutbce`) and is imported by none of them.
+Design and compiled memory: docs/kernels.md.
 """
 
 from cutbce.kernels.gpu.kernels import (  # noqa: F401

@@ -1,6 +1,6 @@
 """The Pallas GPU kernels through XLA:GPU and Triton for H100 / H200, with no GPU attached.
 
-`cutbce.kernels.gpu.targets.compile_loss` compiles `value_and_grad(cut_bce)`
+`cutbce.kernels.gpu.compiled.compile_loss` compiles `value_and_grad(cut_bce)`
 (and `target_ranks`) for the one device of a `1x1x1` CUDA topology described
 by the project's target config: Triton lowers and compiles every kernel for
 sm_90 as it would on the GPU. Over a grid of shapes (D, dtype, ragged T and
@@ -24,6 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from cutbce.kernels.gpu import compiled as gpu_compiled  # noqa: E402
 from cutbce.kernels.gpu import targets  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not targets.cuda_plugin_available(),
@@ -67,8 +68,8 @@ def test_loss_gradients_and_ranks_compile_for_hopper(case):
   target, tokens, vocab, dim, dtype, num_targets, bias, exclude, num_items, variant, reduction = case
   shapes = dict(tokens=tokens, vocab=vocab, dim=dim, dtype=jnp.dtype(dtype),
                 num_targets=num_targets, bias=bias, num_exclude=exclude, num_items=num_items)
-  loss = targets.compile_loss(target, "pallas_gpu", reduction=reduction, **shapes, **variant)
-  ranks = targets.compile_loss(target, "pallas_gpu", ranks=True, **shapes)
+  loss = gpu_compiled.compile_loss(target, "pallas_gpu", reduction=reduction, **shapes, **variant)
+  ranks = gpu_compiled.compile_loss(target, "pallas_gpu", ranks=True, **shapes)
   kernels = sorted(name.split("_bt")[0] for name in targets.triton_kernels(loss))
   if reduction == "none":  # two passes: forward, then dh and dE
     assert kernels == ["cutbce_gpu_de", "cutbce_gpu_dh", "cutbce_gpu_forward"], kernels
@@ -85,7 +86,7 @@ def test_temp_memory_is_flat_in_vocab_and_far_below_dense(target):
   temp = {}
   for backend, vocab in (("pallas_gpu", 131_072), ("pallas_gpu", 1_048_576),
                          ("xla", 131_072), ("dense", 131_072)):
-    compiled = targets.compile_loss(target, backend, vocab=vocab, **shapes)
+    compiled = gpu_compiled.compile_loss(target, backend, vocab=vocab, **shapes)
     temp[backend, vocab] = compiled.memory_analysis().temp_size_in_bytes
   # The one temporary that grows with V is the float32 [V, D] table gradient
   # (the contract's f32 dE, cast to bf16 at the end; the XLA path has it too).

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import cutbce
-from cutbce import api
+from cutbce import api, backends
 from cutbce.kernels import tiling, tpu, xla
 from cutbce.kernels.tiling import TilePlan
 
@@ -301,7 +301,7 @@ def test_same_function_runs_on_cpu_and_exports_for_tpu(backend):
 def test_auto_falls_back_on_a_tpu_with_one_log_line(monkeypatch, caplog):
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   monkeypatch.setattr(tiling, "chip_spec", lambda chip=None: tiling._FALLBACK_CHIPS["v5e"])
-  api._log_fallback.cache_clear()
+  backends._log_fallback.cache_clear()
   half = cutbce.inputs.flatten_inputs(
       jnp.ones((4, 8), jnp.float16), jnp.ones((10, 8), jnp.float16), jnp.zeros((4, 1), jnp.int32))
   with caplog.at_level("WARNING", logger="cutbce"):

@@ -2,7 +2,7 @@
 
 `check_config` runs when the config is read, before any data is prepared and
 before anything is traced, so a bad config fails with one `ConfigError` that
-names the key, the value seen and what is allowed (`trainer/config_schema.py`
+names the key, the value seen and what is allowed (`trainer/config/keys.py`
 describes every key and rule), never with a traceback from inside jax.
 """
 
@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from trainer import config_schema
-from trainer.schema import ConfigError
+from trainer.config import keys as config_keys
+from trainer.config.schema import ConfigError
 
 __all__ = ["ConfigError", "check_config", "describe_mesh", "make_mesh", "token_shard_count",
            "vocab_shard_count"]
@@ -42,18 +42,18 @@ def check_config(config, device_count: int | None = None, *, workdir: str | None
   """
   if devices is not None:
     fill_mesh_shape(config, len(devices))
-    context = config_schema.Context(
+    context = config_keys.Context(
         device_count=len(devices), slice_count=slice_count(devices),
         process_count=len({device.process_index for device in devices}), process_index=0,
         workdir=workdir)
-    config_schema.check(config, context)
+    config_keys.check(config, context)
     return
   device_count = jax.device_count() if device_count is None else device_count
   fill_mesh_shape(config, device_count)
-  context = config_schema.Context(
+  context = config_keys.Context(
       device_count=device_count, slice_count=slice_count(),
       process_count=jax.process_count(), process_index=jax.process_index(), workdir=workdir)
-  config_schema.check(config, context)
+  config_keys.check(config, context)
 
 
 def fill_mesh_shape(config, device_count: int) -> None:

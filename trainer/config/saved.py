@@ -30,7 +30,8 @@ from typing import Any
 import ml_collections
 from etils import epath
 
-from trainer import config_schema, paths, schema
+from trainer import paths
+from trainer.config import keys as config_keys, schema
 
 CONFIG_FILE = "config.json"
 FORMAT = "cutbce-run-config"
@@ -49,7 +50,7 @@ HARMLESS_KEYS = frozenset({
     "data.prepare_per_host", "loss.backend"})
 HARMLESS_SECTIONS = ("eval.", "checkpoint.", "profile.", "compile.")
 _ABSENT = "(absent)"
-_SECTIONS = schema.sections_of(config_schema.KEYS)
+_SECTIONS = schema.sections_of(config_keys.KEYS)
 
 
 def path(workdir: str | os.PathLike) -> epath.Path:
@@ -145,7 +146,7 @@ def _show(values: Mapping[str, Any], key: str) -> str:
 
 
 def _name(key: str) -> str:
-  return key if key == PROCESS_COUNT else config_schema.name(key)
+  return key if key == PROCESS_COUNT else config_keys.name(key)
 
 
 def check_resume(workdir: str | os.PathLike, config, *, process_count: int,

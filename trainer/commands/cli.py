@@ -1,7 +1,7 @@
 """The command lines after training: flags described once, one-line errors, progress.
 
 `python -m trainer.evaluate`, `trainer.recommend` and `trainer.export` are absl
-apps whose flags are `trainer.schema` keys (`config_schema.COMMAND_FLAGS`).
+apps whose flags are `trainer.config.schema` keys (`config_keys.COMMAND_FLAGS`).
 Each command's flags live in their own `absl.flags.FlagValues`, not in the
 global `FLAGS`, so the three commands and `trainer.main` (which all have a
 `--workdir`) can be imported into one process (the tests do). Every flag is
@@ -25,16 +25,17 @@ from typing import Any, NoReturn
 
 from absl import app, flags, logging
 
-from trainer import config_schema, logs, schema
-from trainer.config_schema import flag_name
+from trainer import logs
+from trainer.config import keys as config_keys, schema
+from trainer.config.keys import flag_name
 
 _HELP = ("--help", "-h", "--helpshort", "--helpfull")
 
 
 def _flag_values(command: str) -> flags.FlagValues:
   values = flags.FlagValues()
-  for k in config_schema.COMMAND_FLAGS[command]:
-    default = config_schema.COMMAND_FLAG_DEFAULTS.get(k.path)
+  for k in config_keys.COMMAND_FLAGS[command]:
+    default = config_keys.COMMAND_FLAG_DEFAULTS.get(k.path)
     if k.type == schema.BOOL:
       flags.DEFINE_bool(k.path, default, k.doc, flag_values=values)
     else:  # Typed and checked by the schema, so every message is the same.
@@ -54,8 +55,8 @@ def _underscores(arg: str) -> str:
 def usage(command: str) -> str:
   """The flags of `command`, one per line, with what each allows."""
   lines = [f"python -m trainer.{command} flags:"]
-  for k in config_schema.COMMAND_FLAGS[command]:
-    defaults = config_schema.COMMAND_FLAG_DEFAULTS
+  for k in config_keys.COMMAND_FLAGS[command]:
+    defaults = config_keys.COMMAND_FLAG_DEFAULTS
     shown = f"default {defaults[k.path]!r}" if k.path in defaults else "required"
     lines.append(f"  {flag_name(k.path)}: {k.doc} ({k.describe()}; {shown})")
   return "\n".join(lines)
@@ -66,7 +67,7 @@ def parse(argv: Sequence[str], command: str) -> dict[str, Any]:
 
   Args:
     argv: the command line, program name first.
-    command: a key of `config_schema.COMMAND_FLAGS`.
+    command: a key of `config_keys.COMMAND_FLAGS`.
 
   Returns:
     `{flag: typed value}`; flags left unset that have no default are absent.
@@ -75,7 +76,7 @@ def parse(argv: Sequence[str], command: str) -> dict[str, Any]:
     schema.ConfigError: a bad, missing or unknown flag (one line).
     SystemExit: `--help` (status 0, after printing the flags).
   """
-  keys = config_schema.COMMAND_FLAGS[command]
+  keys = config_keys.COMMAND_FLAGS[command]
   argv = [argv[0]] + [_underscores(arg) for arg in argv[1:]]
   if any(arg in _HELP for arg in argv[1:]):
     print(usage(command))
@@ -94,7 +95,7 @@ def parse(argv: Sequence[str], command: str) -> dict[str, Any]:
   index = {k.path: k for k in keys}
   values = {path: schema.from_text(index[path], parsed[path].value)
             for path in index if parsed[path].value is not None}
-  schema.check(values, keys, config_schema.COMMAND_RULES, name=flag_name)
+  schema.check(values, keys, config_keys.COMMAND_RULES, name=flag_name)
   return values
 
 
@@ -159,12 +160,12 @@ def parse_config_flags(argv: list[str]) -> list[str]:
   errors as absl does.
   """
   try:
-    config_schema.check_overrides(argv)
+    config_keys.check_overrides(argv)
     return flags.FLAGS(argv)
-  except config_schema.ConfigError as error:
+  except schema.ConfigError as error:
     bad_config(error)
   except (flags.Error, AttributeError, KeyError) as error:
-    explained = config_schema.explain_flag_error(error, argv)
+    explained = config_keys.explain_flag_error(error, argv)
     if explained is not None:
       bad_config(explained)
     if not isinstance(error, flags.Error):

@@ -3,7 +3,7 @@
 `open_run(workdir)` rebuilds what `trainer.evaluate`, `trainer.recommend` and
 `trainer.export` need from what the run left there:
 
-  WORKDIR/config.json          the config (`trainer.run_config`)
+  WORKDIR/config.json          the config (`trainer.config.saved`)
   WORKDIR/checkpoints/<step>/  the params of the chosen checkpoint (only the
                                params are read: no optimizer state, no iterator)
   the prepared data            `config.data.prepared_dir` or WORKDIR/data
@@ -31,10 +31,10 @@ from etils import epath
 from flax import nnx
 from jax.sharding import AxisType, Mesh
 
-from trainer import checkpoint, config_checks, config_schema, data as data_lib, paths
-from trainer import run_config
+from trainer import checkpoint, data as data_lib, paths
+from trainer.config import keys as config_keys, mesh as config_mesh, saved as saved_config
 from trainer import train as train_lib
-from trainer.schema import ConfigError
+from trainer.config.schema import ConfigError
 
 
 class TrainedRun(NamedTuple):
@@ -106,7 +106,7 @@ def command_mesh(config, say: Callable[[str], None] = print
                  ) -> tuple[Mesh, tuple[str, ...], str | None]:
   """`(mesh, token_axes, vocab_axis)`: the run's mesh, or all devices on one data axis."""
   if math.prod(config.mesh.shape) == jax.device_count():
-    return (config_checks.make_mesh(config), tuple(config.mesh.token_axes),
+    return (config_mesh.make_mesh(config), tuple(config.mesh.token_axes),
             config.mesh.vocab_axis)
   run_mesh = dict(zip(config.mesh.axis_names, config.mesh.shape))
   say(f"the run's mesh {run_mesh} needs {math.prod(config.mesh.shape)} devices and "
@@ -118,7 +118,7 @@ def command_mesh(config, say: Callable[[str], None] = print
 
 def _abstract_params(config, num_items: int):
   """`(graphdef, params as ShapeDtypeStructs)` of the run's model (its table rows)."""
-  vocab_shards = config_checks.vocab_shard_count(config)
+  vocab_shards = config_mesh.vocab_shard_count(config)
 
   def model():
     return train_lib.make_model(config.model, num_items=num_items, seq_len=config.seq_len,
@@ -144,10 +144,10 @@ def open_run(workdir: str, *, which: str = "best", step: int | None = None,
       not pass the schema.
     FileNotFoundError: no config.json or no prepared data.
   """
-  config = run_config.read(workdir)
-  config_schema.check(config, config_schema.Context(device_count=math.prod(config.mesh.shape)))
+  config = saved_config.read(workdir)
+  config_keys.check(config, config_keys.Context(device_count=math.prod(config.mesh.shape)))
   step, which = choose_step(workdir, config.checkpoint.best_metric, which, step, say)
-  data = data_lib.load_prepared(config_schema.prepared_folder(config.data.prepared_dir, workdir))
+  data = data_lib.load_prepared(config_keys.prepared_folder(config.data.prepared_dir, workdir))
   mesh, token_axes, vocab_axis = command_mesh(config, say)
   graphdef, abstract = _abstract_params(config, data.num_items)
   shardings = train_lib.state_shardings(abstract, mesh, vocab_axis)

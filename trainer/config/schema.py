@@ -7,7 +7,7 @@ against both and raises `ConfigError` with one line,
 
     <key>=<value>: <what is allowed>
 
-before anything runs. The trainer config (`trainer/config_schema.py`) and the
+before anything runs. The trainer config (`trainer/config/keys.py`) and the
 command lines (`python -m trainer.data`) are described this way, and the docs
 tables of their keys are generated from the same entries (`markdown_table`),
 so the checks and the docs cannot drift. Adding a setting is one `key(...)`
@@ -20,7 +20,7 @@ Example:
   >>> check({"dim": 64, "dropout_rate": 1.5}, keys)
   Traceback (most recent call last):
   ...
-  trainer.schema.ConfigError: dropout_rate=1.5: a finite number in [0, 1)
+  trainer.config.schema.ConfigError: dropout_rate=1.5: a finite number in [0, 1)
 """
 
 from __future__ import annotations

@@ -1,0 +1,51 @@
+"""The loss compiled for an NVIDIA target with no GPU attached.
+
+`compile_loss` builds `jit(value_and_grad(cut_bce))` (or `target_ranks`) on
+the one device of a target's topology (`targets.compile_devices`), with the
+GPU kernels planned for that target, and compiles it with XLA:GPU and Triton.
+Used by the compile tests and `benchmarks/gpu_run.py compile`. It imports
+the ops (`cutbce`), so it lives apart from `targets`, which the planner
+imports.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import cutbce
+from cutbce.kernels.gpu import plan as gpu_plan
+from cutbce.kernels.gpu import targets
+
+
+def compile_loss(target: str, backend: str, *, tokens: int, vocab: int, dim: int, dtype,
+                 num_targets: int = 1, bias: bool = False, num_exclude: int = 0,
+                 num_items: int | None = None, reduction: str = "mean", ranks: bool = False,
+                 plan=None, **options):
+  """`jit(value_and_grad(cut_bce))` (or `target_ranks`) compiled for one GPU of `target`.
+
+  Nothing runs: inputs are `ShapeDtypeStruct`s on the topology's device, the
+  GPU kernels are planned for `target` (the XLA path plans for the host
+  unless `plan` is given). Returns the compiled program
+  (`.memory_analysis()`, `.as_text()`).
+  """
+  sharding = jax.sharding.SingleDeviceSharding(targets.compile_devices(target)[0])
+  spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+  args = [spec((tokens, dim), dtype), spec((vocab, dim), dtype),
+          spec((tokens, num_targets), jnp.int32),
+          spec((vocab,), jnp.float32) if bias else None,
+          spec((tokens, num_exclude), jnp.int32) if num_exclude else None]
+  common = dict(num_items=num_items, backend=backend, plan=plan)
+
+  def loss(hidden, table, targets_, bias_, exclude):
+    def scalar(h, e, b):
+      return jnp.sum(cutbce.cut_bce(h, e, targets_, bias=b, exclude=exclude,
+                                    reduction=reduction, **common, **options))
+    return jax.value_and_grad(scalar, argnums=(0, 1, 2) if bias_ is not None else (0, 1))(
+        hidden, table, bias_)
+
+  def rank(hidden, table, targets_, bias_, exclude):
+    return cutbce.target_ranks(hidden, table, targets_, bias=bias_, exclude=exclude, **common)
+
+  with gpu_plan.target_gpu(target):
+    return jax.jit(rank if ranks else loss).lower(*args).compile()

@@ -1,0 +1,212 @@
+"""Top-K recommendations per user from a trained run: `python -m trainer.recommend`.
+
+    python -m trainer.recommend --workdir=W --top_k=K --out=F [--users=FILE]
+        [--include_seen] [--checkpoint=best|latest] [--step=N] [--batch_size=B]
+
+For each user (every user of the run's data, or the raw ids listed in FILE,
+one per line, in that order) the model reads the last `seq_len` items of the
+user's whole history (every split: what is known now) and the hidden state
+of the last position is scored against the whole item table with
+`cutbce.sharding.sharded_top_k` over the run's mesh, as training shards it
+(no `[B, V]` scores, table rows split over the vocab axis, padded rows never
+returned: `num_items` is passed). Items of the user's history are excluded
+unless `--include_seen`. The output file holds one JSON line per user,
+
+    {"user": <raw user id>, "items": [<raw item id>, ...], "scores": [...]}
+
+items by descending score (ties to the smaller dense id), ids as in the raw
+data (integers, or strings for string-id sources). Users go in batches of
+`--batch_size` (default the run's `eval_batch_size`), with progress lines on
+stderr. A user id of FILE that is not in the data stops the command (exit 2,
+one line naming the unknown ids) before anything is computed or written.
+
+The exclude list of a batch is as wide as the longest distinct history in it
+(rounded up to a power of two, so few widths are compiled); the running top-k
+keeps k + that many candidates per user.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from etils import epath
+from flax import nnx
+
+from cutbce import sharding as cutbce_sharding
+from trainer import data as data_lib
+from trainer.commands import cli
+from trainer import train as train_lib
+from trainer.config.schema import ConfigError
+
+_MIN_EXCLUDE = 8
+
+
+def read_user_ids(path: str) -> list[str]:
+  """The non-blank lines of `path`, stripped."""
+  lines = epath.Path(path).read_text().splitlines()
+  return [line.strip() for line in lines if line.strip()]
+
+
+def dense_users(user_ids: np.ndarray, raw: Sequence[str], source: str) -> np.ndarray:
+  """Dense user indices of raw ids given as text.
+
+  Args:
+    user_ids: the data's raw id of each dense user (int64, or a `<U` string array).
+    raw: raw ids as text (one per line of the users file).
+    source: the file, named in the error.
+
+  Returns:
+    int64 `[len(raw)]`.
+
+  Raises:
+    ConfigError: ids not in the data, named (the first 10).
+  """
+  lookup = {value: index for index, value in enumerate(user_ids.tolist())}
+  integer = np.issubdtype(user_ids.dtype, np.integer)
+  dense, unknown = [], []
+  for text in raw:
+    try:
+      value = int(text) if integer else text
+    except ValueError:
+      value = None
+    if value not in lookup:
+      unknown.append(text)
+    else:
+      dense.append(lookup[value])
+  if unknown:
+    shown = ", ".join(repr(text) for text in unknown[:10])
+    more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+    raise ConfigError(f"--users={source!r}: ids of users of the run's data; {len(unknown)} "
+                      f"are not: {shown}{more}")
+  return np.asarray(dense, np.int64)
+
+
+def history_batch(data: data_lib.PreparedDataset, users: np.ndarray, *, seq_len: int,
+                  exclude_width: int | None) -> dict[str, np.ndarray]:
+  """Inputs (and the seen items) of a batch of users, from their whole history.
+
+  Returns:
+    "inputs" int32 `[B, N]`: the last N items, left-padded with V; and, when
+    `exclude_width` is given, "exclude" int32 `[B, E]`: each user's distinct
+    items, padded with -1.
+  """
+  num_items = data.num_items
+  inputs = np.full((users.shape[0], seq_len), num_items, np.int32)
+  exclude = None if exclude_width is None else np.full((users.shape[0], exclude_width), -1,
+                                                       np.int32)
+  for row, user in enumerate(users):
+    history = np.asarray(data.items[data.offsets[user]:data.offsets[user + 1]])
+    last = history[-seq_len:]
+    inputs[row, seq_len - last.shape[0]:] = last
+    if exclude is not None:
+      seen = np.unique(history)
+      exclude[row, :seen.shape[0]] = seen
+  return {"inputs": inputs, "exclude": exclude} if exclude is not None else {"inputs": inputs}
+
+
+def exclude_width(data: data_lib.PreparedDataset, users: np.ndarray, k: int) -> int:
+  """E of a batch: its longest distinct history, rounded up to a power of two.
+
+  Raises:
+    ConfigError: a user has seen more than `num_items - k` items (fewer than
+      k unseen items remain).
+  """
+  longest = max(np.unique(data.items[data.offsets[u]:data.offsets[u + 1]]).shape[0]
+                for u in users)
+  if longest > data.num_items - k:
+    raise ConfigError(f"--top_k={k}: at most {data.num_items - longest}, the unseen items of "
+                      "a user of this batch (or pass --include_seen)")
+  width = max(_MIN_EXCLUDE, 1 << (longest - 1).bit_length())
+  return min(width, data.num_items - k)
+
+
+def top_k_step(params, batch, *, graphdef, settings: train_lib.StepSettings, k: int):
+  """Scores `[B, k]` and dense ids `[B, k]` of the best unseen items of a batch."""
+  model = nnx.merge(graphdef, params)
+  hidden = model(batch["inputs"], deterministic=True)[:, -1, :]  # [B, D]
+  return cutbce_sharding.sharded_top_k(
+      hidden, model.item_table, k, mesh=settings.mesh, token_axes=settings.token_axes,
+      vocab_axis=settings.vocab_axis, bias=model.output_bias, exclude=batch.get("exclude"),
+      num_items=settings.num_items, backend=settings.backend)
+
+
+def recommend(run, users: np.ndarray, *, k: int, include_seen: bool, batch_size: int,
+              write, progress=None) -> None:
+  """Writes `write(record)` for each user in order (see the module docstring).
+
+  Args:
+    run: a `trainer.commands.workdir.TrainedRun`.
+    users: dense user indices.
+    k: items per user.
+    include_seen: keep the user's history among the candidates.
+    batch_size: users per step, a multiple of the token shards.
+    write: called with each user's dict.
+    progress: called with the number of users done after each batch.
+  """
+  data, settings = run.data, run.settings
+  sharding = train_lib.batch_sharding(settings.mesh, settings.token_axes)
+  step = jax.jit(functools.partial(top_k_step, graphdef=run.graphdef, settings=settings, k=k),
+                 in_shardings=(run.param_shardings, sharding), out_shardings=(sharding, sharding))
+  for start in range(0, users.shape[0], batch_size):
+    chunk = users[start:start + batch_size]
+    # Fill the last batch with copies of its first user; their rows are dropped.
+    padded = np.concatenate([chunk, np.full(batch_size - chunk.shape[0], chunk[0])])
+    width = None if include_seen else exclude_width(data, chunk, k)
+    batch = history_batch(data, padded, seq_len=run.config.seq_len, exclude_width=width)
+    scores, ids = jax.device_get(step(run.params, data_lib.to_global_arrays(batch, sharding)))
+    raw_users = data.user_ids[chunk].tolist()
+    raw_items = data.item_ids[ids[:chunk.shape[0]]].tolist()
+    for row, user in enumerate(raw_users):
+      write({"user": user, "items": raw_items[row],
+             "scores": [float(score) for score in scores[row]]})
+    if progress is not None:
+      progress(start + chunk.shape[0])
+
+
+def _command(values) -> int:
+  from trainer.commands import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+  run = workdir_lib.open_run(values["workdir"], which=values["checkpoint"],
+                             step=values.get("step"), say=cli.notice)
+  data, k = run.data, values["top_k"]
+  if k > data.num_items:
+    raise ConfigError(f"--top_k={k}: at most the {data.num_items} items of the run's data")
+  if values.get("users") is None:
+    users = np.arange(data.num_users, dtype=np.int64)
+  else:
+    users = dense_users(data.user_ids, read_user_ids(values["users"]), values["users"])
+  batch_size = run.batch_size
+  if values.get("batch_size") is not None:
+    unit = _token_shards(run.settings)
+    batch_size = -(-values["batch_size"] // unit) * unit
+  out = epath.Path(values["out"])
+  out.parent.mkdir(parents=True, exist_ok=True)
+  progress = cli.Progress("recommending", int(users.shape[0]), "users")
+  with out.open("w") as file:
+    recommend(run, users, k=k, include_seen=values["include_seen"], batch_size=batch_size,
+              write=lambda record: file.write(json.dumps(record) + "\n"), progress=progress)
+  cli.notice(f"wrote {users.shape[0]:,} users' top {k} to {out}")
+  return 0
+
+
+def _token_shards(settings: train_lib.StepSettings) -> int:
+  sizes = dict(settings.mesh.shape)
+  return int(np.prod([sizes[axis] for axis in settings.token_axes]))
+
+
+def main(argv: list[str] | None = None) -> int:
+  """`python -m trainer.recommend` in-process; returns the exit status."""
+  return cli.run_command("recommend", _command, sys.argv if argv is None else argv)
+
+
+def run() -> None:
+  """The console script `cutbce-recommend`."""
+  cli.app_main(main)
+
+
+if __name__ == "__main__":
+  run()
