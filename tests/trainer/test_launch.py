@@ -112,7 +112,9 @@ class FakeSlice:
       (tools / name).chmod(0o755)
     self.env = dict(os.environ, PATH=f"{tools}:{os.environ['PATH']}",
                     FAKE_TPU_ROOT=str(self.root), FAKE_TPU_WORKERS=str(workers),
-                    FAKE_TPU_SIMULATE="1" if simulate else "0")
+                    FAKE_TPU_SIMULATE="1" if simulate else "0",
+                    # A narrow terminal: ps must not cut the trainer's command line.
+                    COLUMNS="40")
     self.repo = tmp_path / "repo"
     for path, text in (("configs/c.py", "size = 1\n"), ("trainer/main.py", "# trainer\n"),
                        ("old.py", "# removed later\n"), (".gitignore", "ignored/\n")):
