@@ -146,10 +146,16 @@ class Trainer:
                                            save_interval_steps=config.checkpoint_every,
                                            cleanup_tmp=True)
     try:
-      record_config(config, workdir, self.manager, allow_config_change)
-    except schema.ConfigError:
+      self._build(config, workdir, allow_config_change)
+    except BaseException:
+      # Close the manager (its threads) before the error ends the process: an
+      # open one logs a traceback from orbax at interpreter shutdown.
       self.manager.close()
       raise
+
+  def _build(self, config, workdir: str, allow_config_change: bool):
+    """Everything after the checkpoint manager: config record, mesh, data, steps, state."""
+    record_config(config, workdir, self.manager, allow_config_change)
     self.mesh = config_mesh.make_mesh(config)
     logs.say(config_mesh.describe_mesh(self.mesh))
     self.data = prepare_data(config, workdir)

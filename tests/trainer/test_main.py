@@ -83,6 +83,30 @@ def test_main_explains_missing_data_in_one_line(tmp_path):
   assert "Traceback" not in result.stderr
 
 
+def test_a_failed_start_closes_the_checkpoint_manager(tmp_path, monkeypatch):
+  """Missing data after the manager exists: it is closed before the error leaves (an open
+  one's threads log a traceback from orbax when the process ends)."""
+  from trainer import checkpoint, loop  # pylint: disable=import-outside-toplevel
+  from trainer.data import sources  # pylint: disable=import-outside-toplevel
+  real_make_manager, closed = checkpoint.make_manager, []
+
+  def make_manager(*args, **kwargs):
+    manager = real_make_manager(*args, **kwargs)
+    real_close = manager.close
+    manager.close = lambda: (closed.append(True), real_close())
+    return manager
+
+  def no_data(config, workdir):
+    assert not closed  # the manager is open while data is prepared
+    raise sources.DataError("listens.parquet not found")
+
+  monkeypatch.setattr(checkpoint, "make_manager", make_manager)
+  monkeypatch.setattr(loop, "prepare_data", no_data)
+  with pytest.raises(sources.DataError, match="listens.parquet"):
+    loop.Trainer(smoke.get_config(), str(tmp_path / "work"))
+  assert closed == [True]
+
+
 def test_main_rejects_a_missing_yambda_folder_before_any_work(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu")
