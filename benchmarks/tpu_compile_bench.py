@@ -14,8 +14,9 @@ compiler's own cost model, an estimate, not a timing.
   paper   batch 64, V = 876,939: peak per chip, beside the paper's 22.37 / 7.67 GiB
   batch   the largest global batch (64 x 2^k, up to --max-batch) each one fits
   vocab   V in 131,072 / 876,939 / 2M / 5M / 10M at batch 64: where dense stops fitting
+  softmax the paper's setting with loss.kind="softmax_ce": dense CE against cut CE
 
-    python benchmarks/tpu_compile_bench.py [--parts paper batch vocab] [--chips v6e v5e]
+    python benchmarks/tpu_compile_bench.py [--parts paper batch vocab softmax] [--chips v6e v5e]
 
 Needs the `tpu` extra. Prints tables and writes JSON to
 docs/results/tpu_compile_bench.json (kept between runs: a compiled case is not
@@ -42,6 +43,8 @@ GIB = 2**30
 PAPER = {"chip": "TPU v6e x 8", "batch": 64, "vocab": 876_939,
          "peak_hbm_gib": {"dense": 22.37, "cutbce": 7.67}, "peak_reduction": 0.657}
 BACKENDS = {"dense": "dense", "cutbce": "auto"}
+# The softmax CE step (loss.kind="softmax_ce"): dense logits against cut_softmax_ce.
+SOFTMAX = {"dense_ce": "dense", "cut_ce": "auto"}
 VOCABS = (131_072, 876_939, 2_000_000, 5_000_000, 10_000_000)
 
 
@@ -50,7 +53,9 @@ def train_step(chip: str, backend: str, *, batch: int, vocab: int) -> dict:
   topology = f"{chip}-8"
   config = yambda50m_v6e8.get_config()
   config.batch_size = batch
-  config.loss.backend = BACKENDS[backend]
+  if backend in SOFTMAX:
+    config.loss.kind = "softmax_ce"
+  config.loss.backend = {**BACKENDS, **SOFTMAX}[backend]
   devices = compiler.topology_devices(topology)
   config_mesh.check_config(config, devices=devices)
   mesh = config_mesh.make_mesh(config, devices)
@@ -68,11 +73,11 @@ def _row(r: dict) -> str:
   need = r.get("peak_bytes", r.get("required_bytes"))
   seconds = r.get("compiler_optimal_seconds")
   est = "-" if seconds is None else f"{seconds * 1e3:.2f}"
-  return (f"{r['chip']:>4} {r['backend']:>7} {r['batch']:>6} {r['vocab']:>11,} "
+  return (f"{r['chip']:>4} {r['backend']:>8} {r['batch']:>6} {r['vocab']:>11,} "
           f"{_gib(need):>9} {'yes' if r['fits'] else 'NO':>5} {est:>10} {r['compile_s']:>8.1f}")
 
 
-HEADER = (f"{'chip':>4} {'loss':>7} {'batch':>6} {'V':>11} {'peak GiB':>9} {'fits':>5} "
+HEADER = (f"{'chip':>4} {'loss':>8} {'batch':>6} {'V':>11} {'peak GiB':>9} {'fits':>5} "
           f"{'est. ms*':>10} {'compile':>8}")
 
 
@@ -120,6 +125,14 @@ def main(argv=None):
                  else f"{seconds[0] / seconds[1]:.2f}x (an estimate)")
         print(f"{chip}: CutBCE peak {1 - cut / dense:.1%} below dense (paper 65.7%); compiler's "
               f"estimated step time dense / CutBCE: {ratio}")
+  if "softmax" in args.parts:
+    print("\n== softmax CE (loss.kind=softmax_ce), batch 64, V = 876,939 ==")
+    print(HEADER)
+    for chip in args.chips:
+      got = {b: cache.get(chip, b, 64, PAPER["vocab"]) for b in SOFTMAX}
+      if all("peak_bytes" in r for r in got.values()):
+        dense, cut = got["dense_ce"]["peak_bytes"], got["cut_ce"]["peak_bytes"]
+        print(f"{chip}: cut softmax CE peak {1 - cut / dense:.1%} below dense softmax CE")
   if "batch" in args.parts:
     print("\n== the largest global batch that fits, V = 876,939 ==")
     print(HEADER)
