@@ -121,10 +121,12 @@ def test_planning_for_uses_the_target_chip_and_restores():
   assert tiling.chip_spec().name == tiling.DEFAULT_CHIP
 
 
-def test_sharded_op_on_a_v6e_2x4_mesh_compiles_with_collectives_outside_the_loop():
-  batch, length, dim, vocab, num_targets = 8, 512, 128, 876_939, 8
-  devices = _devices("v6e-8")
-  mesh = jax.sharding.Mesh(np.asarray(devices).reshape(2, 4), ("data", "model"))
+def _v6e_2x4_inputs(batch, length, dim, vocab, num_targets):
+  """A v6e-8 mesh data=2 x model=4 and abstract (hidden, table, targets) laid out on it.
+
+  Tokens split over both axes, the table (padded to a multiple of 4 rows) over "model".
+  """
+  mesh = jax.sharding.Mesh(np.asarray(_devices("v6e-8")).reshape(2, 4), ("data", "model"))
   padded = -(-vocab // 4) * 4
   tokens_spec = NamedSharding(mesh, P(("data", "model")))
   args = (
@@ -132,6 +134,12 @@ def test_sharded_op_on_a_v6e_2x4_mesh_compiles_with_collectives_outside_the_loop
       jax.ShapeDtypeStruct((padded, dim), jnp.bfloat16, sharding=NamedSharding(mesh, P("model"))),
       jax.ShapeDtypeStruct((batch, length, num_targets), jnp.int32, sharding=tokens_spec),
   )
+  return mesh, args
+
+
+def test_sharded_op_on_a_v6e_2x4_mesh_compiles_with_collectives_outside_the_loop():
+  batch, length, dim, vocab, num_targets = 8, 512, 128, 876_939, 8
+  mesh, args = _v6e_2x4_inputs(batch, length, dim, vocab, num_targets)
   kwargs = dict(mesh=mesh, token_axes=("data", "model"), vocab_axis="model", num_items=vocab,
                 backend="pallas_tpu")
 
@@ -141,7 +149,7 @@ def test_sharded_op_on_a_v6e_2x4_mesh_compiles_with_collectives_outside_the_loop
     ranks = sharded_target_ranks(hidden[:, -1], table, targets[:, -1], **kwargs)
     return loss, grads, ranks
 
-  with compiler.planning_for(devices):
+  with compiler.planning_for(_devices("v6e-8")):
     compiled = jax.jit(step).lower(*args).compile()
   text = compiled.as_text()
   names = [k.split("_bt")[0] for k in compiler.mosaic_kernels(compiled)]
@@ -149,7 +157,7 @@ def test_sharded_op_on_a_v6e_2x4_mesh_compiles_with_collectives_outside_the_loop
   report = hlo.collective_report(text)
   assert report.count >= 3 and not report.in_loop, report
   # Per chip: 8 x 512 / 8 tokens, gathered over "model" -> 2,048; V / 4 rows.
-  _check_flat(compiled, batch * length // 2, padded // 4, dim)
+  _check_flat(compiled, batch * length // 2, args[1].shape[0] // 4, dim)
 
 
 # (chip, kernel, T, V, D, dtype): the planner's plan of that kernel.
@@ -226,25 +234,17 @@ def test_softmax_ce_kernels_compile_for_tpu(case):
 def test_sharded_softmax_ce_on_a_v6e_2x4_mesh_compiles_with_collectives_outside_the_loop():
   from cutbce.sharding import sharded_cut_softmax_ce  # pylint: disable=import-outside-toplevel
   batch, length, dim, vocab = 8, 512, 128, 876_939
-  devices = _devices("v6e-8")
-  mesh = jax.sharding.Mesh(np.asarray(devices).reshape(2, 4), ("data", "model"))
-  padded = -(-vocab // 4) * 4
-  tokens_spec = NamedSharding(mesh, P(("data", "model")))
-  args = (
-      jax.ShapeDtypeStruct((batch, length, dim), jnp.bfloat16, sharding=tokens_spec),
-      jax.ShapeDtypeStruct((padded, dim), jnp.bfloat16, sharding=NamedSharding(mesh, P("model"))),
-      jax.ShapeDtypeStruct((batch, length, 8), jnp.int32, sharding=tokens_spec),
-  )
+  mesh, args = _v6e_2x4_inputs(batch, length, dim, vocab, 8)
 
   def step(hidden, table, targets):
     return jax.value_and_grad(lambda h, e: sharded_cut_softmax_ce(
         h, e, targets, mesh=mesh, token_axes=("data", "model"), vocab_axis="model",
         num_items=vocab, backend="pallas_tpu"), argnums=(0, 1))(hidden, table)
 
-  with compiler.planning_for(devices):
+  with compiler.planning_for(_devices("v6e-8")):
     compiled = jax.jit(step).lower(*args).compile()
   names = sorted(k.split("_bt")[0] for k in compiler.mosaic_kernels(compiled))
   assert names == ["cutbce_softmax_backward", "cutbce_softmax_forward"], names
   report = hlo.collective_report(compiled.as_text())
   assert report.count >= 3 and not report.in_loop, report
-  _check_flat(compiled, batch * length // 2, padded // 4, dim)
+  _check_flat(compiled, batch * length // 2, args[1].shape[0] // 4, dim)
