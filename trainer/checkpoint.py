@@ -103,8 +103,27 @@ def make_manager(directory: str | os.PathLike, max_to_keep: int | None,
             policies.LatestN(n=max_to_keep),
             policies.BestN(get_metric_fn=best, reverse=False, n=1,
                            keep_checkpoints_without_metrics=False)]), **common)
-  return ocp.CheckpointManager(paths.as_path(directory), options=options,
-                               item_names=("state", "data"))
+  manager = ocp.CheckpointManager(paths.as_path(directory), options=options,
+                                  item_names=("state", "data"))
+  if cleanup_tmp:
+    _await_tmp_cleanup(manager)
+  return manager
+
+
+def _await_tmp_cleanup(manager: ocp.CheckpointManager) -> None:
+  """Returns once the manager's start-up deletion of temporary folders is done.
+
+  Orbax runs that deletion in a background thread and waits for it only in
+  `save`; `close()` does not. A run that stops before its first save (bad
+  data, a config error) would exit with the thread still running, and orbax
+  logs a traceback ("cannot schedule new futures after interpreter shutdown")
+  at interpreter shutdown. Waiting here costs one listing of the folder. The
+  future is orbax's private attribute, read with a default so that a release
+  that renames it only loses the wait.
+  """
+  pending = getattr(manager, "_cleanup_tmp_directory_future", None)
+  if pending is not None:
+    pending.result()
 
 
 def save(manager: ocp.CheckpointManager, step: int, state, iterator,

@@ -15,7 +15,7 @@ import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
-from orbax.checkpoint._src.path import atomicity
+from orbax.checkpoint._src.path import async_path, atomicity
 
 from trainer import checkpoint, data as data_lib
 from trainer.config import mesh as config_mesh
@@ -110,6 +110,23 @@ def test_uncommitted_save_is_never_restored_and_the_trainer_removes_it(tmp_path)
   checkpoint.save(trainer_manager, 6, {"x": jnp.ones(3)}, iterator)
   trainer_manager.close()
   assert sorted(os.listdir(tmp_path)) == ["5", "6"]
+
+
+def test_trainer_manager_returns_after_removing_leftovers(tmp_path, monkeypatch):
+  """Orbax deletes leftovers in a thread that `close()` never waits for; a run
+  that stopped before its first save then logged a traceback at exit."""
+  real_rmtree = async_path.rmtree
+
+  async def slow_rmtree(path):
+    await asyncio.sleep(0.5)
+    await real_rmtree(path)
+
+  monkeypatch.setattr(async_path, "rmtree", slow_rmtree)
+  partial = tmp_path / "10.orbax-checkpoint-tmp"
+  (partial / "state").mkdir(parents=True)
+  manager = checkpoint.make_manager(tmp_path, None, cleanup_tmp=True)
+  assert not partial.exists()
+  manager.close()
 
 
 def test_preemption_notice_local_sigterm():
