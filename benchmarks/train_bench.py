@@ -105,11 +105,7 @@ class Step:
     self.graphdef = nnx.graphdef(nnx.eval_shape(build))
     self.abstract = jax.eval_shape(self._init)
     self.shardings = train_lib.state_shardings(self.abstract, self.mesh, config.mesh.vocab_axis)
-    settings = train_lib.StepSettings(
-        mesh=self.mesh, token_axes=tuple(config.mesh.token_axes),
-        vocab_axis=config.mesh.vocab_axis, num_items=num_items, seed=config.seed,
-        backend=config.loss.backend, vocab_reduction=config.loss.vocab_reduction,
-        one_pass=config.loss.one_pass)
+    settings = train_lib.step_settings(config, mesh=self.mesh, num_items=num_items)
     self.jitted = train_lib.jit_train_step(self.graphdef, self.tx, self.schedule, settings,
                                            self.shardings)
     self.batch_sharding = train_lib.batch_sharding(self.mesh, config.mesh.token_axes)

@@ -99,6 +99,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.loss.kind = "bce"
   config.loss.backend = "auto"
   config.loss.vocab_reduction = "sum"
+  # softmax_ce with several targets per position: "sum" adds one softmax CE term
+  # per distinct target (SASRec's multi-target CE); "mean" averages them, so a
+  # position weighs the same whatever its number of targets. BCE: "sum" only.
+  config.loss.target_reduction = "sum"
   # Loss variants of `cutbce.cut_bce`, all off by default. Weight of positive
   # labels (None = 1):
   config.loss.pos_weight = ml_collections.config_dict.placeholder(float)

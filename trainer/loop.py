@@ -166,11 +166,7 @@ class Trainer:
                                         vocab_shards=vocab_shards)
     self.graphdef, tx, schedule, self.shardings = (plan.graphdef, plan.tx, plan.schedule,
                                                    plan.shardings)
-    self.settings = train_lib.StepSettings(
-        mesh=self.mesh, token_axes=tuple(config.mesh.token_axes),
-        vocab_axis=config.mesh.vocab_axis, num_items=num_items, seed=config.seed,
-        backend=config.loss.backend, vocab_reduction=config.loss.vocab_reduction,
-        loss_kind=config.loss.kind, **train_lib.loss_variants(config.loss))
+    self.settings = train_lib.step_settings(config, mesh=self.mesh, num_items=num_items)
     self.train_step = train_lib.jit_train_step(self.graphdef, tx, schedule, self.settings,
                                                self.shardings)
     eval_settings = self.settings._replace(backend=config.eval.backend)

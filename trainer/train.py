@@ -116,6 +116,7 @@ class StepSettings(NamedTuple):
   backend: str
   vocab_reduction: str
   loss_kind: str = "bce"  # "bce" (`sharded_cut_bce`) or "softmax_ce" (`sharded_cut_softmax_ce`)
+  target_reduction: str = "sum"  # softmax_ce: a position's targets added or averaged
   # Loss variants of `cutbce.cut_bce` (config.loss); the defaults are plain BCE.
   pos_weight: float | None = None
   label_smoothing: float = 0.0
@@ -135,6 +136,16 @@ def loss_variants(loss_config) -> dict:
   return {name: loss_config.get(name, defaults[name]) for name in LOSS_VARIANTS}
 
 
+def step_settings(config, *, mesh: Mesh, num_items: int) -> StepSettings:
+  """The train step's settings from a run config (`config.loss`, `config.mesh`)."""
+  loss = config.loss
+  return StepSettings(
+      mesh=mesh, token_axes=tuple(config.mesh.token_axes), vocab_axis=config.mesh.vocab_axis,
+      num_items=num_items, seed=config.seed, backend=loss.backend,
+      vocab_reduction=loss.vocab_reduction, loss_kind=loss.kind,
+      target_reduction=loss.target_reduction, **loss_variants(loss))
+
+
 def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings):
   model = nnx.merge(graphdef, params)
   hidden = model(batch["inputs"], deterministic=False, rngs=nnx.Rngs(dropout=dropout_key))
@@ -144,7 +155,8 @@ def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings
         hidden, table, batch["targets"], batch["weights"], mesh=settings.mesh,
         token_axes=settings.token_axes, vocab_axis=settings.vocab_axis,
         bias=model.output_bias, num_items=settings.num_items,
-        label_smoothing=settings.label_smoothing, return_stats=True, backend=settings.backend)
+        label_smoothing=settings.label_smoothing, target_reduction=settings.target_reduction,
+        return_stats=True, backend=settings.backend)
   loss, stats = cutbce_sharding.sharded_cut_bce(
       hidden, table, batch["targets"], batch["weights"], mesh=settings.mesh,
       token_axes=settings.token_axes, vocab_axis=settings.vocab_axis,

@@ -131,6 +131,22 @@ def test_config_change_on_resume_is_refused_then_allowed(trained, tmp_path):
   assert result["step"] == 20 and saved_config.read(copy).optimizer.learning_rate == 0.01
 
 
+def test_a_run_saved_before_a_key_existed_resumes_with_its_old_value(trained, tmp_path):
+  workdir, config, _ = trained
+  copy = tmp_path / "run"
+  shutil.copytree(workdir, copy)
+  record = json.loads((copy / saved_config.CONFIG_FILE).read_text())
+  del record["config"]["loss"]["target_reduction"]  # As written before the key was added.
+  (copy / saved_config.CONFIG_FILE).write_text(json.dumps(record))
+  assert saved_config.read(copy).loss.target_reduction == "sum"
+  config = config.copy_and_resolve_references()
+  assert saved_config.check_resume(copy, config, process_count=1) == []
+  config.loss.update(kind="softmax_ce", target_reduction="mean")
+  with pytest.raises(schema.ConfigError,
+                     match=r"config.loss.target_reduction='mean' \(was 'sum'\)"):
+    saved_config.check_resume(copy, config, process_count=1)
+
+
 def test_which_changes_are_harmless(trained):
   workdir, config, _ = trained
   config = config.copy_and_resolve_references()

@@ -243,6 +243,7 @@ RULE_BREAKERS = {
     "memory_limit_parses": _set_all(data__prepare_memory_limit="lots"),
     "per_host_folder_is_local": _set_all(data__prepare_per_host=True),
     "process_placeholder_needs_per_host": _set_all(data__prepared_dir="/data/prepared-{process}"),
+    "target_mean_is_softmax_ce": _set_all(loss__target_reduction="mean"),
     "softmax_ce_has_no_variants": _set_all(loss__kind="softmax_ce", loss__focal_gamma=2.0),
     "best_metric_is_evaluated": _set_all(checkpoint__best_metric="ndcg@7"),
 }

@@ -11,6 +11,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from configs import smoke
 from trainer import loop
@@ -19,16 +20,16 @@ from trainer import data as data_lib
 from trainer import train as train_lib
 
 
-def _loss_and_grads(config, data, batch, backend):
+def _loss_and_grads(config, data, batch, backend, target_reduction):
   """The step's loss, stats and parameter gradients with `backend` (dropout off)."""
   mesh = config_mesh.make_mesh(config)
   graphdef, _, _, state, _ = train_lib.create_sharded_state(
       config, num_items=data.num_items, mesh=mesh,
       vocab_shards=config_mesh.vocab_shard_count(config))
-  settings = train_lib.StepSettings(
-      mesh=mesh, token_axes=tuple(config.mesh.token_axes), vocab_axis=config.mesh.vocab_axis,
-      num_items=data.num_items, seed=config.seed, backend=backend,
-      vocab_reduction=config.loss.vocab_reduction, loss_kind="softmax_ce", label_smoothing=0.1)
+  config.loss.update(kind="softmax_ce", backend=backend, label_smoothing=0.1,
+                     target_reduction=target_reduction)
+  config_mesh.check_config(config)
+  settings = train_lib.step_settings(config, mesh=mesh, num_items=data.num_items)
   sharding = train_lib.batch_sharding(mesh, config.mesh.token_axes)
 
   def loss(params, batch):
@@ -40,7 +41,9 @@ def _loss_and_grads(config, data, batch, backend):
   return jax.device_get((value, stats, grads))
 
 
-def test_cut_loss_and_gradients_equal_the_dense_reference_in_the_step(smoke_data_dir, tmp_path):
+@pytest.mark.parametrize("target_reduction", ["sum", "mean"])
+def test_cut_loss_and_gradients_equal_the_dense_reference_in_the_step(smoke_data_dir, tmp_path,
+                                                                     target_reduction):
   config = smoke.get_config()
   config.data.prepared_dir = smoke_data_dir
   config.model.item_bias = True
@@ -53,8 +56,12 @@ def test_cut_loss_and_gradients_equal_the_dense_reference_in_the_step(smoke_data
       data, seq_len=config.seq_len, num_targets=config.num_targets,
       batch_size=config.batch_size, seed=config.seed, num_threads=1, prefetch_buffer_size=1)
   batch = next(iterator)
-  cut, dense = (_loss_and_grads(config, data, batch, b) for b in ("xla", "dense"))
+  cut, dense = (_loss_and_grads(config, data, batch, b, target_reduction)
+                for b in ("xla", "dense"))
   np.testing.assert_allclose(cut[0], dense[0], rtol=1e-6)
+  if target_reduction == "mean":  # The key reaches the op: averaging lowers the loss.
+    summed = _loss_and_grads(config, data, batch, "dense", "sum")
+    assert cut[0] < 0.95 * summed[0]
   np.testing.assert_allclose(np.array(cut[1]), np.array(dense[1]), rtol=1e-6)
   # Float32 sums in another order: 1e-5 of the largest gradient entry anywhere (some
   # gradients, e.g. of the attention's key bias, are 0 up to rounding in both).

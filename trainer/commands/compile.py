@@ -125,11 +125,7 @@ def step_programs(config, *, num_items: int, mesh) -> dict[str, tuple[Any, tuple
   vocab_shards = config_mesh.vocab_shard_count(config)
   plan = train_lib.plan_sharded_state(config, num_items=num_items, mesh=mesh,
                                       vocab_shards=vocab_shards)
-  settings = train_lib.StepSettings(
-      mesh=mesh, token_axes=tuple(config.mesh.token_axes), vocab_axis=config.mesh.vocab_axis,
-      num_items=num_items, seed=config.seed, backend=config.loss.backend,
-      vocab_reduction=config.loss.vocab_reduction, loss_kind=config.loss.kind,
-      **train_lib.loss_variants(config.loss))
+  settings = train_lib.step_settings(config, mesh=mesh, num_items=num_items)
   batch_sharding = train_lib.batch_sharding(mesh, config.mesh.token_axes)
 
   def batch(**shapes):

@@ -150,6 +150,8 @@ KEYS: tuple[schema.Key, ...] = (
         "(`cut_bce`) or full-catalog softmax cross-entropy (`cut_softmax_ce`)"),
     key("loss.backend", STR, one_of(*BACKEND_CHOICES), "`cutbce` backend of the loss"),
     key("loss.vocab_reduction", STR, one_of("mean", "sum"), "l_t divided by V (mean) or not"),
+    key("loss.target_reduction", STR, one_of("sum", "mean"), "softmax_ce: a position's "
+        "terms over its distinct targets added (sum) or averaged (mean)"),
     key("loss.pos_weight", FLOAT, above(0), "weight of positive labels (None: 1)",
         none_ok=True),
     key("loss.label_smoothing", FLOAT, fraction(), "labels y (1 - e) + e / 2"),
@@ -320,6 +322,14 @@ def _softmax_ce_has_no_variants(values, context):
   if on:
     return (f"'bce' to use {', '.join('config.' + k for k in on)} (BCE variants; "
             "the softmax cross-entropy takes only loss.label_smoothing)")
+  return None
+
+
+def _target_mean_is_softmax_ce(values, context):
+  del context
+  if values["loss.target_reduction"] == "mean" and values["loss.kind"] != "softmax_ce":
+    return ("'sum' with config.loss.kind='bce' (BCE has one term per item, not one per "
+            "target; 'mean' is for 'softmax_ce')")
   return None
 
 
@@ -512,6 +522,9 @@ RULES: tuple[Rule, ...] = (
          keys=("data.prepared_dir", "data.prepare_per_host"),
          check=_placeholder_needs_per_host,
          doc="`{process}` in `data.prepared_dir` only with `data.prepare_per_host`"),
+    Rule(name="target_mean_is_softmax_ce", keys=("loss.target_reduction", "loss.kind"),
+         check=_target_mean_is_softmax_ce,
+         doc="`loss.target_reduction=\"mean\"` only with `loss.kind=\"softmax_ce\"`"),
     Rule(name="softmax_ce_has_no_variants",
          keys=("loss.kind", "loss.pos_weight", "loss.label_smoothing", "loss.logit_soft_cap",
                "loss.focal_gamma", "loss.focal_alpha"),

@@ -49,6 +49,10 @@ HARMLESS_KEYS = frozenset({
     "data.num_threads", "data.prefetch_buffer_size", "data.prepared_dir",
     "data.prepare_per_host", "loss.backend"})
 HARMLESS_SECTIONS = ("eval.", "checkpoint.", "profile.", "compile.")
+# Keys added after runs could already be saved, with the value that a run saved
+# without them trained with: `read` and `check_resume` fill them in, so such a
+# run resumes (and is read by the commands) as it was.
+ADDED_KEYS = {"loss.target_reduction": "sum"}
 _ABSENT = "(absent)"
 _SECTIONS = schema.sections_of(config_keys.KEYS)
 
@@ -107,7 +111,14 @@ def _tuples(tree):
 
 def read(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
   """The config saved in `WORKDIR/config.json` as a ConfigDict (lists back to tuples)."""
-  return ml_collections.ConfigDict(_tuples(read_record(workdir)["config"]))
+  tree = read_record(workdir)["config"]
+  for key, value in ADDED_KEYS.items():
+    *sections, name = key.split(".")
+    parent = tree
+    for section in sections:
+      parent = parent.setdefault(section, {})
+    parent.setdefault(name, value)
+  return ml_collections.ConfigDict(_tuples(tree))
 
 
 def _vocab_shards(values: Mapping[str, Any]) -> int:
@@ -170,7 +181,7 @@ def check_resume(workdir: str | os.PathLike, config, *, process_count: int,
     return [f"no {CONFIG_FILE} in {workdir} (a run started before it was written): "
             "writing the current config"]
   record = read_record(workdir)
-  old = schema.flatten(record["config"], _SECTIONS)
+  old = {**ADDED_KEYS, **schema.flatten(record["config"], _SECTIONS)}
   new = flat_values(config)
   old[PROCESS_COUNT], new[PROCESS_COUNT] = record.get(PROCESS_COUNT), int(process_count)
   changed = differences(old, new)
