@@ -137,6 +137,10 @@ class _Progress:
       self(message)
       self.next = (done // self.every + 1) * self.every
 
+  def restart_rows(self) -> None:
+    """A new count from 0 (the next phase over the same rows)."""
+    self.next = self.every
+
 
 def _is_text_type(kind: pa.DataType) -> bool:
   if pa.types.is_dictionary(kind):
@@ -381,7 +385,7 @@ def _write_events(connection, out, *, offsets: np.ndarray, num_shards: int,
     progress(f"sorting {int(offsets[-1]):,} events by user, time and file order")
     reader = _arrow_reader(result, OUTPUT_ROWS)
     position = 0
-    progress.next = progress.every
+    progress.restart_rows()
     for batch in reader:
       if position == 0:
         progress("sorted; writing the event files")
