@@ -33,6 +33,7 @@ arguments + outputs - donated aliases + temporaries.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/train_bench.py
     python benchmarks/train_bench.py --quick        # small shapes, a smoke check
+    python benchmarks/train_bench.py --parts speed --softmax --out ...  # + softmax CE steps
 
 Prints tables and writes JSON to docs/results/train_bench.json.
 """
@@ -70,9 +71,13 @@ PAPER = {"peak_hbm_gib": {"dense": 22.37, "cutbce": 7.67}, "peak_reduction": 0.6
          "vocab": 876_939}
 # name -> (loss.backend, loss.one_pass)
 VARIANTS = {"dense": ("dense", None), "cutbce": ("xla", None), "two_pass": ("xla", False)}
+# With --softmax, part 1 also times loss.kind="softmax_ce": the dense-logits
+# reference and `cut_softmax_ce` (its forward and backward sweeps).
+SOFTMAX_VARIANTS = {"dense_ce": ("dense", None), "cut_ce": ("xla", None)}
 
 
-def make_config(args, *, batch: int, backend: str, one_pass: bool | None = None):
+def make_config(args, *, batch: int, backend: str, one_pass: bool | None = None,
+                kind: str = "bce"):
   config = yambda50m_v6e8.get_config()
   config.batch_size = batch
   config.seq_len = args.seq
@@ -80,8 +85,9 @@ def make_config(args, *, batch: int, backend: str, one_pass: bool | None = None)
   config.model.dim = args.dim
   config.model.dtype = args.dtype
   config.model.dropout_rate = 0.1
+  config.loss.kind = kind
   config.loss.backend = backend
-  config.loss.one_pass = one_pass
+  config.loss.one_pass = None if kind == "softmax_ce" else one_pass
   config.train_steps = 1_000
   return config
 
@@ -171,9 +177,12 @@ def part_speed(args, out):
   """Both variants at args.vocab: memory, then interleaved timed steps."""
   print(f"\n== V = {args.vocab:,}, global batch {args.batch} x N {args.seq}, L = "
         f"{args.num_targets}, D = {args.dim}, {args.dtype}: interleaved steps ==", flush=True)
-  steps = {name: Step(make_config(args, batch=args.batch, backend=backend, one_pass=one_pass),
-                      args.vocab)
-           for name, (backend, one_pass) in VARIANTS.items()}
+  variants = {name: (*v, "bce") for name, v in VARIANTS.items()}
+  if args.softmax:
+    variants.update({name: (*v, "softmax_ce") for name, v in SOFTMAX_VARIANTS.items()})
+  steps = {name: Step(make_config(args, batch=args.batch, backend=backend, one_pass=one_pass,
+                                  kind=kind), args.vocab)
+           for name, (backend, one_pass, kind) in variants.items()}
   print(f"{'V':>9} {'batch':>5} {'variant':>7} {'temp GiB/dev':>12} {'peak GiB/dev':>12} "
         f"{'compile s':>9}")
   section = {"vocab": args.vocab, "batch": args.batch, "seq_len": args.seq,
@@ -221,6 +230,16 @@ def part_speed(args, out):
         f"peak -{100 * section['peak_reduction']:.1f}%")
   print(f"one pass vs two passes: {section['one_pass_time_ratio_median']:.2f}x step time "
         f"(median), peak {section['one_pass_peak_extra_bytes'] / 2**20:+.1f} MiB/device")
+  if args.softmax:
+    section["cut_ce_vs_dense_ce_time_median"] = round(
+        v["cut_ce"]["median_s"] / v["dense_ce"]["median_s"], 3)
+    section["cut_ce_vs_cutbce_time_median"] = round(
+        v["cut_ce"]["median_s"] / v["cutbce"]["median_s"], 3)
+    section["cut_ce_vs_two_pass_time_median"] = round(
+        v["cut_ce"]["median_s"] / v["two_pass"]["median_s"], 3)
+    print(f"softmax CE: cut / dense {section['cut_ce_vs_dense_ce_time_median']:.2f}x step time, "
+          f"cut CE / one-pass cut BCE {section['cut_ce_vs_cutbce_time_median']:.2f}x, "
+          f"/ two-pass {section['cut_ce_vs_two_pass_time_median']:.2f}x (medians)")
   out["speed"] = section
 
 
@@ -294,6 +313,8 @@ def main():
                       help="host memory (all devices) a timed program may use")
   parser.add_argument("--run-big-dense", action="store_true")
   parser.add_argument("--parts", default="speed,paper")
+  parser.add_argument("--softmax", action="store_true",
+                      help="part 1 also times loss.kind=softmax_ce, dense and cut")
   parser.add_argument("--quick", action="store_true", help="tiny shapes, seconds")
   parser.add_argument("--out", default="docs/results/train_bench.json")
   args = parser.parse_args()
