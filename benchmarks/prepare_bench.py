@@ -12,7 +12,9 @@ user, time and file order, write parquet) is also run with Polars' streaming
 engine, the other engine compared. The two prepared folders are checked to be
 byte-identical where both ran. Prints a table, writes JSON and a plot of peak
 RSS against events. ``--share SIZE`` instead measures what each of P
-processes opens of a folder prepared in user shards.
+processes opens of a folder prepared in user shards, and, in a fresh process
+that reads one whole epoch of process 0's training batches, its memory: peak
+RSS, and the file pages of the memory-mapped arrays that stayed resident.
 
   nice -n 10 python benchmarks/prepare_bench.py --sizes 20M,100M,300M \\
       --memory-limit 2GB --work /tmp/prepare_bench --out docs/results/prepare_bench.json
@@ -152,7 +154,11 @@ def main(argv=None) -> int:
                       help="instead: prepare SIZE events in --num-shards shards and print the "
                            "share of the event bytes each of P processes opens")
   parser.add_argument("--num-shards", type=int, default=8)
+  parser.add_argument("--share-child", nargs=3, metavar=("FOLDER", "INDEX", "COUNT"),
+                      help=argparse.SUPPRESS)  # one process of --share's RSS runs
   args = parser.parse_args(argv)
+  if args.share_child:
+    return share_child(pathlib.Path(args.share_child[0]), *map(int, args.share_child[1:]))
   if args.share:
     return read_share(pathlib.Path(args.work), parse_size(args.share), args.num_shards,
                       args.memory_limit)
@@ -236,6 +242,7 @@ def read_share(work: pathlib.Path, events: int, num_shards: int, memory_limit: s
   sys.path.insert(0, str(ROOT))
   from trainer.data import pipeline, storage  # pylint: disable=import-outside-toplevel
   name = f"{events // 10**6}M"
+  work.mkdir(parents=True, exist_ok=True)
   data_file = work / f"events-{name}.parquet"
   generate(data_file, events, strings=False)
   folder = work / f"shares-{name}-{num_shards}"
@@ -267,10 +274,48 @@ def read_share(work: pathlib.Path, events: int, num_shards: int, memory_limit: s
       opened = data.items.opened
       shares.append(sum(sizes[storage.shard_file(array, s, num_shards)]
                         for array in storage.EVENT_ARRAYS for s in opened) / total)
+    child = subprocess.run([sys.executable, __file__, "--share-child", str(folder), "0",
+                            str(count)], cwd=ROOT, check=True, capture_output=True, text=True)
+    memory = json.loads(child.stdout.splitlines()[-1])
     print(f"P={count}: each process opens {min(shares):.3f} to {max(shares):.3f} of the event "
-          f"bytes (1/P = {1 / count:.3f})", flush=True)
+          f"bytes (1/P = {1 / count:.3f}); process 0, one epoch ({memory['batches']:,} "
+          f"batches, {memory['seconds']:.0f} s): peak RSS {memory['peak_rss_mib']:,.0f} MiB, "
+          f"event pages touched {memory['event_pages_mib']:,.0f} MiB", flush=True)
     count *= 2
   shutil.rmtree(folder, ignore_errors=True)
+  return 0
+
+
+def share_child(folder: pathlib.Path, index: int, count: int) -> int:
+  """Reads one epoch of process `index` of `count`'s training batches; prints its memory (JSON).
+
+  Peak RSS is the kernel's high-water mark (VmHWM). "Event pages" are the
+  resident pages of the memory-mapped event shard files at the end of the
+  epoch (summed from /proc/self/smaps): what of the event bytes this process
+  actually touched.
+  """
+  sys.path.insert(0, str(ROOT))
+  from trainer.data import pipeline, storage  # pylint: disable=import-outside-toplevel
+  start = time.perf_counter()
+  data = storage.load_prepared(folder)
+  train = pipeline.train_dataset(data, seq_len=200, num_targets=1, batch_size=64, seed=0,
+                                 num_epochs=1, process_index=index, process_count=count)
+  for batch in range(len(train)):
+    train[batch]  # pylint: disable=pointless-statement
+  event_kib, mapping, peak_kib = 0, "", 0
+  for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+    fields = line.split()
+    if fields and not fields[0].endswith(":"):  # a mapping's header: address ... [path]
+      mapping = fields[-1] if len(fields) >= 6 else ""
+    elif fields[:1] == ["Rss:"] and mapping.startswith(str(folder)):
+      if pathlib.Path(mapping).name.startswith(storage.EVENT_ARRAYS):
+        event_kib += int(fields[1])
+  for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+    if line.startswith("VmHWM:"):
+      peak_kib = int(line.split()[1])
+  print(json.dumps({"batches": len(train), "seconds": round(time.perf_counter() - start, 1),
+                    "peak_rss_mib": round(peak_kib / 1024, 1),
+                    "event_pages_mib": round(event_kib / 1024, 1)}))
   return 0
 
 
