@@ -7,6 +7,7 @@ Two commands, each writing JSON under `--out`:
             configs: compiled memory of dense / xla / pallas_gpu at
             T = 4096 (16 x 256), L = 8, D = 128, bf16, for V = 131,072,
             876,939 (the paper's) and 10^7. "Compiled for", never "ran on".
+            `--kind softmax_ce`: the same for `cut_softmax_ce`.
   device    on one NVIDIA GPU (H100 / H200; jax 0.10.2+ with CUDA), in about
             8 minutes, each part with its own time limit so the later ones
             still run:
@@ -14,7 +15,8 @@ Two commands, each writing JSON under `--out`:
                        on the host, test_gpu_compile.py for the attached GPU's
                        twins), pytest -x;
             2. loss    dense / xla / pallas_gpu fwd+bwd at V = 131,072 and
-                       1,048,576 (T = 8 x 256, D = 64, L = 4, f32 and bf16):
+                       1,048,576 (T = 8 x 256, D = 64, L = 4, f32 and bf16),
+                       BCE and softmax CE:
                        min time over repeats, compiled temp bytes, the
                        device's peak bytes in use after each contender;
                        pallas_gpu also checked against xla (loss, gradients);
@@ -92,7 +94,8 @@ def cmd_compile(args) -> None:
     for vocab in args.vocab:
       for backend in ("dense", "xla", "pallas_gpu"):
         start = time.perf_counter()
-        row = {"target": target, "vocab": vocab, "backend": backend, **COMPILE_SHAPES,
+        row = {"target": target, "kind": args.kind, "vocab": vocab, "backend": backend,
+               **COMPILE_SHAPES,
                "dtype": "bfloat16", "compiled_for": targets.spec(target).name}
         # The XLA path with the tile it picks on a GPU (its planner reads the
         # host's platform, a CPU here, which would pick 16x smaller tiles).
@@ -103,7 +106,7 @@ def cmd_compile(args) -> None:
           row["block_v"] = plan.block_v
         try:
           compiled = gpu_compiled.compile_loss(target, backend, vocab=vocab, dtype=jnp.bfloat16,
-                                          plan=plan, **COMPILE_SHAPES)
+                                               plan=plan, kind=args.kind, **COMPILE_SHAPES)
           row.update(_memory(compiled), kernels=targets.triton_kernels(compiled))
         except Exception as error:  # pylint: disable=broad-except
           row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
@@ -112,8 +115,10 @@ def cmd_compile(args) -> None:
         gib = lambda key: f"{row[key] / GIB:9.2f}" if key in row else f"{'-':>9}"  # noqa: E731
         print(f"{target:>6} {vocab:>10} {backend:>10} {gib('temp_bytes')} {gib('peak_bytes')} "
               f"{row['compile_s']:9.1f}  {row.get('kernels') or row.get('error', '')}", flush=True)
-  _write(pathlib.Path(args.out), "gpu_compile.json",
-         {"what": "value_and_grad(cut_bce) compiled for GPU targets, nothing run",
+  op = {"bce": "cut_bce", "softmax_ce": "cut_softmax_ce"}[args.kind]
+  name = "gpu_compile.json" if args.kind == "bce" else f"gpu_compile_{args.kind}.json"
+  _write(pathlib.Path(args.out), name,
+         {"what": f"value_and_grad({op}) compiled for GPU targets, nothing run",
           "command": " ".join(sys.argv), "rows": rows})
 
 
@@ -153,33 +158,34 @@ def part_loss(out: pathlib.Path, repeats: int) -> dict:
   import loss_bench  # pylint: disable=import-outside-toplevel
   device = jax.devices()[0]
   rows = []
-  for dtype in ("float32", "bfloat16"):
-    for vocab in LOSS_VOCABS:
-      operands = loss_bench.make_inputs(8, 256, 64, vocab, 4, jnp.dtype(dtype))
-      grad = lambda f: jax.value_and_grad(f, argnums=(0, 1))  # noqa: E731
-      results = {}
-      for backend in ("xla", "pallas_gpu", "dense"):  # dense last: it sets the peak
-        row = {"dtype": dtype, "vocab": vocab, "backend": backend, "tokens": 2048, "dim": 64}
-        try:
-          compiled, temp = loss_bench.compile_with_temp(grad(loss_bench.loss_fn(backend)),
-                                                        operands)
-          row["temp_bytes"] = int(temp)
-          row["seconds"] = loss_bench.interleaved_min_times({backend: compiled}, operands,
-                                                            repeats)[backend]
-          results[backend] = compiled(*operands)
-          stats = device.memory_stats() or {}
-          row["device_peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
-        except Exception as error:  # pylint: disable=broad-except
-          row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-        rows.append(row)
-        print(row, flush=True)
-      if "xla" in results and "pallas_gpu" in results:
-        (want, want_grads), (got, got_grads) = results["xla"], results["pallas_gpu"]
-        rows[-2]["max_rel_error_vs_xla"] = max(
-            float(abs(got - want) / abs(want)),
-            *(float(np.max(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32)))
-                    / (np.max(np.abs(np.asarray(w, np.float32))) + 1e-30))
-              for g, w in zip(got_grads, want_grads)))
+  for kind, dtype, vocab in [(k, d, v) for k in ("bce", "softmax_ce")
+                             for d in ("float32", "bfloat16") for v in LOSS_VOCABS]:
+    operands = loss_bench.make_inputs(8, 256, 64, vocab, 4, jnp.dtype(dtype))
+    grad = lambda f: jax.value_and_grad(f, argnums=(0, 1))  # noqa: E731
+    results = {}
+    for backend in ("xla", "pallas_gpu", "dense"):  # dense last: it sets the peak
+      row = {"kind": kind, "dtype": dtype, "vocab": vocab, "backend": backend,
+             "tokens": 2048, "dim": 64}
+      try:
+        compiled, temp = loss_bench.compile_with_temp(
+            grad(loss_bench.loss_fn(backend, kind=kind)), operands)
+        row["temp_bytes"] = int(temp)
+        row["seconds"] = loss_bench.interleaved_min_times({backend: compiled}, operands,
+                                                          repeats)[backend]
+        results[backend] = compiled(*operands)
+        stats = device.memory_stats() or {}
+        row["device_peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
+      except Exception as error:  # pylint: disable=broad-except
+        row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+      rows.append(row)
+      print(row, flush=True)
+    if "xla" in results and "pallas_gpu" in results:
+      (want, want_grads), (got, got_grads) = results["xla"], results["pallas_gpu"]
+      rows[-2]["max_rel_error_vs_xla"] = max(
+          float(abs(got - want) / abs(want)),
+          *(float(np.max(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32)))
+                  / (np.max(np.abs(np.asarray(w, np.float32))) + 1e-30))
+            for g, w in zip(got_grads, want_grads)))
   result = {"rows": rows, "environment": _environment()}
   _write(out, "loss.json", result)
   return result
@@ -277,6 +283,7 @@ def main() -> None:
   compile_parser.add_argument("--targets", nargs="+", default=["h100", "h200"])
   compile_parser.add_argument("--vocab", type=int, nargs="+", default=list(COMPILE_VOCABS))
   compile_parser.add_argument("--out", default="docs/results")
+  compile_parser.add_argument("--kind", choices=("bce", "softmax_ce"), default="bce")
   device = commands.add_parser("device")
   device.add_argument("--out", required=True)
   device.add_argument("--parts", nargs="+", default=["tests", "loss", "train", "quality"])

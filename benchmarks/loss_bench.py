@@ -61,9 +61,12 @@ def make_inputs(batch, seq, dim, vocab, num_targets, dtype, seed=0):
   return hidden, table, targets
 
 
-def loss_fn(backend, plan=None, **options):
+def loss_fn(backend, plan=None, kind="bce", **options):
+  """`cut_bce` (or, `kind="softmax_ce"`, `cut_softmax_ce`) on `backend` as f(hidden, table, targets)."""
+  op = {"bce": cutbce.cut_bce, "softmax_ce": cutbce.cut_softmax_ce}[kind]
+
   def fn(hidden, table, targets):
-    return cutbce.cut_bce(hidden, table, targets, backend=backend, plan=plan, **options)
+    return op(hidden, table, targets, backend=backend, plan=plan, **options)
   return fn
 
 

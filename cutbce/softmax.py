@@ -50,7 +50,8 @@ class SoftmaxCall(NamedTuple):
   """Everything static one tiled softmax call is traced with (hashable).
 
   Attributes:
-    backend: a kernel set with the softmax entry points ("xla", "pallas_tpu", "auto").
+    backend: a kernel set with the softmax entry points ("xla", "pallas_tpu", "pallas_gpu",
+      "auto").
     plan: a `TilePlan`, or None for the kernel's own plan.
     with_counts: also return per-token confusion counts (logit > 0).
     label_smoothing: e in [0, 1].
@@ -240,29 +241,29 @@ def softmax_backend(backend: str, flat: inputs.Flat, plan=None) -> str:
   "auto" resolves as for `cut_bce` (`backends.resolve_backend`: the Pallas TPU
   kernels where they take the inputs, chosen when the program is lowered),
   and to the XLA path where they do not, or where a row holds more excluded
-  ids than the TPU kernels compare per tile (`tpu.MAX_SOFTMAX_EXCLUDE`).
-  Kernel sets without softmax kernels ("pallas_gpu") run the XLA path.
+  ids than the kernels compare per tile (`MAX_SOFTMAX_EXCLUDE` of the kernel
+  set: TPU 128, GPU 32).
 
   Raises:
-    NotImplementedError: "pallas_tpu" named for inputs its kernels cannot take.
+    NotImplementedError: "pallas_tpu" or "pallas_gpu" named for inputs its
+      kernels cannot take.
   """
   inputs.check_choice("backend", backend, backends.BACKEND_CHOICES)
   if backend == "dense":
     return "dense"
   resolved = backends.resolve_backend(backend, flat, plan)
-  if resolved in ("pallas_tpu", "auto"):
-    from cutbce.kernels import tpu  # pylint: disable=g-import-not-at-top
-    width = 0 if flat.exclude is None else flat.exclude.shape[-1]
-    if width > tpu.MAX_SOFTMAX_EXCLUDE:
-      if backend == "pallas_tpu":
-        raise NotImplementedError(
-            f"backend 'pallas_tpu' compares at most {tpu.MAX_SOFTMAX_EXCLUDE} excluded ids per "
-            f"position in its softmax kernels, got exclude of width {width}")
-      return "xla"
-  if resolved != "xla":
-    backends.check_backend_supports(resolved, flat, plan)
-  if not hasattr(backends.kernel_module(resolved), "softmax_forward"):
+  if resolved == "xla":
     return "xla"
+  # The "auto" kernel set lowers to the TPU kernels: their limit applies.
+  kernels = backends.kernel_module("pallas_tpu" if resolved == "auto" else resolved)
+  width = 0 if flat.exclude is None else flat.exclude.shape[-1]
+  if width > kernels.MAX_SOFTMAX_EXCLUDE:
+    if backend != "auto":
+      raise NotImplementedError(
+          f"backend {backend!r} compares at most {kernels.MAX_SOFTMAX_EXCLUDE} excluded ids per "
+          f"position in its softmax kernels, got exclude of width {width}")
+    return "xla"
+  backends.check_backend_supports(resolved, flat, plan)
   return resolved
 
 
@@ -306,9 +307,9 @@ def cut_softmax_ce(hidden, table, targets, weights=None, *, bias=None, exclude=N
       at logit > 0 as `cut_bce` defines them.
     backend: as in `cut_bce`: "auto" (the Pallas TPU softmax kernels when
       lowered for TPU, the tiled XLA path elsewhere), "xla", "pallas_tpu"
-      (Pallas' interpreter off-TPU), "pallas_gpu" (no softmax kernel yet: the
-      XLA path), or "dense" (`cutbce.dense_softmax_ce`, the materializing
-      reference).
+      (Pallas' interpreter off-TPU), "pallas_gpu" (the Pallas GPU softmax
+      kernels: Triton when lowered for CUDA, Pallas' interpreter elsewhere),
+      or "dense" (`cutbce.dense_softmax_ce`, the materializing reference).
 
   Returns:
     float32 loss (scalar, or `[...]` for reduction="none"); with

@@ -1,5 +1,7 @@
 """`cut_softmax_ce` against a float64 NumPy oracle, on every backend (xla, dense,
-auto, and the Pallas TPU kernels in Pallas' interpreter and in TPU interpret mode).
+auto, the Pallas TPU kernels in Pallas' interpreter and in TPU interpret mode,
+and the Pallas GPU kernels in Pallas' interpreter, whose out-of-bounds reads
+are NaN).
 
 Shapes divide no tile (V = 1003 with block_v 128 and the default plans), rows
 hold padding ids, repeats, ids past `num_items`, excluded ids (some of them
@@ -86,7 +88,8 @@ OPTIONS = [
 
 CASES = ([("xla", o) for o in OPTIONS] + [("dense", OPTIONS[0]), ("dense", OPTIONS[4]),
                                           ("auto", OPTIONS[2]), ("pallas_tpu", OPTIONS[0]),
-                                          ("pallas_tpu", OPTIONS[4])])
+                                          ("pallas_tpu", OPTIONS[4]), ("pallas_gpu", OPTIONS[0]),
+                                          ("pallas_gpu", OPTIONS[1]), ("pallas_gpu", OPTIONS[4])])
 
 
 @pytest.mark.parametrize("backend,options", CASES,
@@ -96,7 +99,7 @@ def test_f32_matches_the_float64_oracle(backend, options):
   _check(_run(backend, args, **dict(options)), _oracle(args, **dict(options)), 2e-6, 2e-5)
 
 
-@pytest.mark.parametrize("backend", ["xla", "dense"])
+@pytest.mark.parametrize("backend", ["xla", "dense", "pallas_gpu"])
 def test_bf16_matches_the_oracle_on_the_bf16_values(backend):
   args = _inputs("bfloat16")
   got = _run(backend, args, label_smoothing=0.1)
@@ -126,6 +129,30 @@ def test_pallas_tpu_refuses_more_excluded_ids_than_its_kernels_compare():
   want = cutbce.cut_softmax_ce(hidden, table, targets, exclude=exclude, backend="xla")
   got = cutbce.cut_softmax_ce(hidden, table, targets, exclude=exclude, backend="auto")
   assert float(got) == float(want)
+
+
+def test_gpu_kernels_run_with_several_token_and_vocab_tiles():
+  """3 token tiles (16, 16, 13 rows), 16 vocab tiles (the last one ragged) in
+  vocab splits; the kernels are the GPU ones, not a fallback."""
+  args = _inputs()
+  plan = cutbce.TilePlan(block_v=64, block_t=16)
+  got = _run("pallas_gpu", args, label_smoothing=0.1, num_items=1000, plan=plan)
+  _check(got, _oracle(args, label_smoothing=0.1, num_items=1000), 2e-6, 2e-5)
+  hidden, table, bias, targets, exclude, weights = args
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda h: cutbce.cut_softmax_ce(
+      h, table, targets, weights, bias=bias, exclude=exclude, backend="pallas_gpu",
+      plan=plan)))(hidden))
+  for kernel in ("softmax_forward", "softmax_dh", "softmax_de"):
+    assert f"cutbce_gpu_{kernel}_bt16_bv64" in jaxpr, kernel
+
+
+def test_pallas_gpu_refuses_more_excluded_ids_than_its_kernels_compare():
+  from cutbce.kernels import gpu  # pylint: disable=import-outside-toplevel
+  hidden, table = jnp.ones((2, 8)), jnp.ones((300, 8))
+  targets = jnp.zeros((2, 1), jnp.int32)
+  exclude = jnp.zeros((2, gpu.MAX_SOFTMAX_EXCLUDE + 1), jnp.int32)
+  with pytest.raises(NotImplementedError, match="excluded ids"):
+    cutbce.cut_softmax_ce(hidden, table, targets, exclude=exclude, backend="pallas_gpu")
 
 
 def test_a_user_plan_is_honoured_and_changes_nothing():

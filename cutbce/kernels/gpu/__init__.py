@@ -1,7 +1,8 @@
 """Kernel set of `backend="pallas_gpu"`: fused Pallas GPU (Triton) kernels.
 
 Honours the backend contract written in `cutbce/kernels/xla.py` (forward,
-backward, forward_backward, rank_counts, default_plan, unsupported_reason).
+backward, forward_backward, rank_counts, softmax_forward, softmax_backward,
+default_plan, unsupported_reason).
 `kernels` holds the Pallas kernels, `plan` the tile planner (from the
 device's description), `targets` the NVIDIA target configs they are compiled
 for without a GPU, `compiled` the loss compiled for a target. Imports:
@@ -11,6 +12,7 @@ Design and compiled memory: docs/kernels.md.
 """
 
 from cutbce.kernels.gpu.kernels import (  # noqa: F401
+    MAX_SOFTMAX_EXCLUDE,
     SUPPORTED_DTYPES,
     backward,
     default_plan,
@@ -18,6 +20,8 @@ from cutbce.kernels.gpu.kernels import (  # noqa: F401
     forward_backward,
     plan_problem,
     rank_counts,
+    softmax_backward,
+    softmax_forward,
     unsupported_reason,
 )
 from cutbce.kernels.gpu.plan import target_gpu  # noqa: F401

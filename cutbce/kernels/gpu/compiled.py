@@ -1,6 +1,7 @@
 """The loss compiled for an NVIDIA target with no GPU attached.
 
-`compile_loss` builds `jit(value_and_grad(cut_bce))` (or `target_ranks`) on
+`compile_loss` builds `jit(value_and_grad(cut_bce))` (or of `cut_softmax_ce`,
+or `target_ranks`) on
 the one device of a target's topology (`targets.compile_devices`), with the
 GPU kernels planned for that target, and compiles it with XLA:GPU and Triton.
 Used by the compile tests and `benchmarks/gpu_run.py compile`. It imports
@@ -21,8 +22,11 @@ from cutbce.kernels.gpu import targets
 def compile_loss(target: str, backend: str, *, tokens: int, vocab: int, dim: int, dtype,
                  num_targets: int = 1, bias: bool = False, num_exclude: int = 0,
                  num_items: int | None = None, reduction: str = "mean", ranks: bool = False,
-                 plan=None, **options):
+                 plan=None, kind: str = "bce", **options):
   """`jit(value_and_grad(cut_bce))` (or `target_ranks`) compiled for one GPU of `target`.
+
+  `kind="softmax_ce"` compiles `cut_softmax_ce` instead of `cut_bce` (its
+  `options`: label_smoothing, target_reduction).
 
   Nothing runs: inputs are `ShapeDtypeStruct`s on the topology's device, the
   GPU kernels are planned for `target` (the XLA path plans for the host
@@ -36,11 +40,12 @@ def compile_loss(target: str, backend: str, *, tokens: int, vocab: int, dim: int
           spec((vocab,), jnp.float32) if bias else None,
           spec((tokens, num_exclude), jnp.int32) if num_exclude else None]
   common = dict(num_items=num_items, backend=backend, plan=plan)
+  op = {"bce": cutbce.cut_bce, "softmax_ce": cutbce.cut_softmax_ce}[kind]
 
   def loss(hidden, table, targets_, bias_, exclude):
     def scalar(h, e, b):
-      return jnp.sum(cutbce.cut_bce(h, e, targets_, bias=b, exclude=exclude,
-                                    reduction=reduction, **common, **options))
+      return jnp.sum(op(h, e, targets_, bias=b, exclude=exclude, reduction=reduction,
+                        **common, **options))
     return jax.value_and_grad(scalar, argnums=(0, 1, 2) if bias_ is not None else (0, 1))(
         hidden, table, bias_)
 

@@ -22,6 +22,12 @@ and the results are deterministic.
                  place (`input_output_aliases`).
   rank_counts  grid (token tiles, vocab splits), 1 dot and L comparisons per
                tile, `[splits, T, L]` partial counts.
+  softmax_*    the softmax cross-entropy's sweeps, laid out as the BCE ones:
+               a forward keeping a running (max, sum of exponentials) per
+               token (`[splits, T]` pairs, combined outside), and a dh and a
+               dE kernel with G = g exp(x - lse) - o. Excluded ids (at most
+               `MAX_SOFTMAX_EXCLUDE` per position) and a vocabulary shard's
+               padding rows are masked inside the tile.
 
 Ragged T, V and D: loads are masked (`other=0`) past T rows, past
 `num_items` table rows and past D columns (D is padded to a power of two in
@@ -544,3 +550,304 @@ def _rank_counts(hidden, table, bias, target_logits, target_ids, *, plan, option
       name=f"cutbce_gpu_ranks_bt{geom.block_t}_bv{geom.block_v}_s{geom.vocab_splits}",
   )(*operands)
   return jnp.sum(partial, axis=0)
+
+
+# --------------------------------------------------------------------------- #
+# Softmax cross-entropy: a running (max, sum) forward; dh and dE backward.     #
+# --------------------------------------------------------------------------- #
+
+# Excluded ids per position the softmax kernels compare in a tile (the loop
+# over them is unrolled); a wider `exclude` takes the XLA path under "auto"
+# and is refused under "pallas_gpu" (`cutbce.softmax.softmax_backend`).
+MAX_SOFTMAX_EXCLUDE = 32
+# The running max starts here, as in the XLA path: a finite floor, so that a
+# tile of masked (-inf) logits gives exp(-inf - floor) = 0, never a NaN.
+SOFTMAX_FLOOR = float(jnp.finfo(jnp.float32).min)
+
+
+def _softmax_operands(hidden, exclude_ids, valid_rows):
+  """(`[T, E]` int32 excluded ids or None, `[T]` int32 row limit or None) for the kernels."""
+  exclude = None
+  if exclude_ids is not None and exclude_ids.shape[-1]:
+    if exclude_ids.shape[-1] > MAX_SOFTMAX_EXCLUDE:
+      raise NotImplementedError(
+          f"the Pallas GPU softmax kernels compare at most {MAX_SOFTMAX_EXCLUDE} excluded ids "
+          f"per position, got {exclude_ids.shape[-1]}")
+    exclude = exclude_ids.astype(jnp.int32)
+  limit = None
+  if valid_rows is not None:  # a vocabulary shard's real rows, per token (no scalar loads)
+    limit = jnp.full((hidden.shape[0],), valid_rows, jnp.int32)
+  return exclude, limit
+
+
+def _load_excluded(exclude_ref, token_start, num_exclude: int, geom: Geometry):
+  """The token tile's excluded ids: one `[block_t]` int32 column each (-1 past T)."""
+  rows, rows_ok = pl.ds(token_start, geom.block_t), _token_rows_ok(token_start, geom)
+  return [plgpu.load(exclude_ref.at[rows, jnp.int32(column)], mask=rows_ok, other=-1)
+          for column in range(num_exclude)]
+
+
+def _softmax_columns(vocab_start, valid, limit, excluded, geom: Geometry):
+  """(`[block_t, block_v]` bool items counted at x > 0, in each token's softmax).
+
+  Counted: items (< num_items) below the shard's row limit, excluded ids in
+  (the caller's sparse counts take them off, as for BCE). In the softmax: those
+  minus the token's excluded ids.
+  """
+  column_ids = vocab_start + lax.broadcasted_iota(jnp.int32, (1, geom.block_v), 1)
+  counted = jnp.broadcast_to(valid, (geom.block_t, geom.block_v))
+  if limit is not None:
+    counted = counted & (column_ids < limit[:, None])
+  items = counted
+  for ids in excluded:  # E is small and static: unrolled
+    items = items & (column_ids != ids[:, None])
+  return counted, items
+
+
+def _softmax_forward_kernel(*refs, geom: Geometry, has_bias: bool, num_exclude: int,
+                            has_limit: bool, with_counts: bool):
+  refs = list(refs)
+  hidden_ref = refs.pop(0)  # [T, D]
+  table_ref = refs.pop(0)  # [V, D]
+  bias_ref = refs.pop(0) if has_bias else None  # [V] f32
+  exclude_ref = refs.pop(0) if num_exclude else None  # [T, E] int32
+  limit_ref = refs.pop(0) if has_limit else None  # [T] int32
+  max_ref = refs.pop(0)  # [splits, T] f32
+  sum_ref = refs.pop(0)  # [splits, T] f32
+  count_ref = refs.pop(0) if with_counts else None  # [splits, T] int32
+  token_start = pl.program_id(0) * geom.block_t
+  split = pl.program_id(1)
+  hidden = _load_rows(hidden_ref, token_start, geom.block_t, geom.num_tokens, geom)
+  excluded = _load_excluded(exclude_ref, token_start, num_exclude, geom) if num_exclude else []
+  limit = None
+  if has_limit:
+    limit = _load_vector(limit_ref, token_start, geom.block_t, geom.num_tokens)
+
+  def accumulate(tile, carry):
+    row_max, row_sum, count = carry
+    _, logits, valid = _vocab_step(table_ref, bias_ref, hidden, tile, geom)
+    counted, items = _softmax_columns(tile * geom.block_v, valid, limit, excluded, geom)
+    if with_counts:
+      count = count + jnp.sum((logits > 0.0) & counted, axis=1, dtype=jnp.int32)
+    logits = jnp.where(items, logits, -jnp.inf)
+    new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
+    row_sum = (row_sum * jnp.exp(row_max - new_max)
+               + jnp.sum(jnp.exp(logits - new_max[:, None]), axis=1))
+    return new_max, row_sum, count
+
+  first, last = _split_range(split, geom)
+  init = (jnp.full((geom.block_t,), SOFTMAX_FLOOR, jnp.float32),
+          jnp.zeros((geom.block_t,), jnp.float32), jnp.zeros((geom.block_t,), jnp.int32))
+  row_max, row_sum, count = lax.fori_loop(first, last, accumulate, init)
+  rows, rows_ok = pl.ds(token_start, geom.block_t), _token_rows_ok(token_start, geom)
+  plgpu.store(max_ref.at[split, rows], row_max, mask=rows_ok)
+  plgpu.store(sum_ref.at[split, rows], row_sum, mask=rows_ok)
+  if with_counts:
+    plgpu.store(count_ref.at[split, rows], count, mask=rows_ok)
+
+
+@functools.partial(jax.named_call, name="cutbce_gpu_softmax_forward")
+def softmax_forward(hidden, table, bias, exclude_ids, *, plan: TilePlan | None,
+                    with_counts: bool, num_items: int | None = None, valid_rows=None):
+  """Per token: running max `[T]` f32, sum exp(x - max) `[T]` f32, #{x > 0} int32 or None."""
+  exclude, limit = _softmax_operands(hidden, exclude_ids, valid_rows)
+  return _run(_softmax_forward, hidden, table, bias, exclude, limit, plan=plan,
+              with_counts=with_counts, num_items=num_items)
+
+
+def _softmax_forward(hidden, table, bias, exclude, limit, *, plan, with_counts, num_items,
+                     interpret):
+  hidden, table, geom = _prepare(hidden, table, plan, "forward", num_items)
+  num_tokens = hidden.shape[0]
+  has_bias = bias is not None
+  num_exclude = 0 if exclude is None else exclude.shape[1]
+  operands = [hidden, table] + ([bias.astype(jnp.float32)] if has_bias else [])
+  operands += [x for x in (exclude, limit) if x is not None]
+  partial_shape = (geom.vocab_splits, num_tokens)
+  out_shape = [jax.ShapeDtypeStruct(partial_shape, jnp.float32)] * 2
+  if with_counts:
+    out_shape.append(jax.ShapeDtypeStruct(partial_shape, jnp.int32))
+  outputs = pl.pallas_call(
+      functools.partial(_softmax_forward_kernel, geom=geom, has_bias=has_bias,
+                        num_exclude=num_exclude, has_limit=limit is not None,
+                        with_counts=with_counts),
+      grid=(geom.num_token_tiles, geom.vocab_splits),
+      out_shape=out_shape,
+      compiler_params=_compiler_params(geom),
+      interpret=interpret,
+      name=f"cutbce_gpu_softmax_forward_bt{geom.block_t}_bv{geom.block_v}_s{geom.vocab_splits}",
+  )(*operands)
+  # The splits' (max, sum) pairs, combined: both finite (the floor), no NaN.
+  row_max = jnp.max(outputs[0], axis=0)
+  row_sum = jnp.sum(outputs[1] * jnp.exp(outputs[0] - row_max[None, :]), axis=0)
+  positive_count = jnp.sum(outputs[2], axis=0) if with_counts else None
+  return row_max, row_sum, positive_count
+
+
+def _softmax_grad(logits, items, log_z, scale, offset):
+  """`[block_t, block_v]` f32 G = g (exp(x - log_z) - o) on the softmax's items, 0 elsewhere.
+
+  (`offset` is g_t o_t already; rows past T have g = 0 and log_z = 0.)
+  """
+  grad = scale[:, None] * jnp.exp(logits - log_z[:, None])
+  if offset is not None:
+    grad = grad - offset[:, None]
+  return jnp.where(items, grad, 0.0)
+
+
+def _softmax_hidden_grad_kernel(*refs, geom: Geometry, has_bias: bool, num_exclude: int,
+                                has_limit: bool, has_offset: bool):
+  refs = list(refs)
+  hidden_ref = refs.pop(0)  # [T, D]
+  table_ref = refs.pop(0)  # [V, D]
+  bias_ref = refs.pop(0) if has_bias else None  # [V] f32
+  exclude_ref = refs.pop(0) if num_exclude else None  # [T, E] int32
+  limit_ref = refs.pop(0) if has_limit else None  # [T] int32
+  log_z_ref = refs.pop(0)  # [T] f32
+  scale_ref = refs.pop(0)  # [T] f32
+  offset_ref = refs.pop(0) if has_offset else None  # [T] f32
+  hidden_grad_ref = refs.pop(0)  # [splits, T, D] f32
+  token_start = pl.program_id(0) * geom.block_t
+  split = pl.program_id(1)
+  hidden = _load_rows(hidden_ref, token_start, geom.block_t, geom.num_tokens, geom)
+  excluded = _load_excluded(exclude_ref, token_start, num_exclude, geom) if num_exclude else []
+
+  def vector(ref):
+    return _load_vector(ref, token_start, geom.block_t, geom.num_tokens)  # 0 past T
+
+  limit = vector(limit_ref) if has_limit else None
+  log_z, scale = vector(log_z_ref), vector(scale_ref)
+  offset = vector(offset_ref) if has_offset else None
+
+  def accumulate(tile, hidden_grad):
+    table, logits, valid = _vocab_step(table_ref, bias_ref, hidden, tile, geom)
+    _, items = _softmax_columns(tile * geom.block_v, valid, limit, excluded, geom)
+    grad = _softmax_grad(logits, items, log_z, scale, offset)
+    return hidden_grad + lax.dot_general(
+        grad.astype(hidden.dtype), table, NN_DIMS, preferred_element_type=jnp.float32)
+
+  first, last = _split_range(split, geom)
+  hidden_grad = lax.fori_loop(first, last, accumulate,
+                              jnp.zeros((geom.block_t, geom.dim_padded), jnp.float32))
+  _store_rows(hidden_grad_ref, hidden_grad, token_start, geom.num_tokens, geom, split)
+
+
+def _softmax_table_grad_kernel(*refs, geom: Geometry, has_bias: bool, num_exclude: int,
+                               has_limit: bool, has_offset: bool):
+  refs = list(refs)
+  hidden_ref = refs.pop(0)  # [T, D]
+  table_ref = refs.pop(0)  # [V, D]
+  bias_ref = refs.pop(0) if has_bias else None  # [V] f32
+  exclude_ref = refs.pop(0) if num_exclude else None  # [T, E] int32
+  limit_ref = refs.pop(0) if has_limit else None  # [T] int32
+  log_z_ref = refs.pop(0)  # [T] f32
+  scale_ref = refs.pop(0)  # [T] f32
+  offset_ref = refs.pop(0) if has_offset else None  # [T] f32
+  table_grad_in_ref = refs.pop(0)  # [V, D] f32, the given (sparse) part
+  bias_grad_in_ref = refs.pop(0) if has_bias else None  # [V] f32
+  table_grad_ref = refs.pop(0)  # [V, D] f32, aliased with table_grad_in
+  bias_grad_ref = refs.pop(0) if has_bias else None  # [V] f32, aliased
+  vocab_start = pl.program_id(0) * geom.block_v
+  table = _load_rows(table_ref, vocab_start, geom.block_v, geom.vocab, geom)  # [block_v, D]
+  bias = _load_vector(bias_ref, vocab_start, geom.block_v, geom.vocab) if has_bias else None
+  valid = _column_valid(vocab_start, geom)
+
+  def accumulate(token_tile, carry):
+    table_grad, bias_grad = carry
+    token_start = token_tile * geom.block_t
+
+    def vector(ref):
+      return _load_vector(ref, token_start, geom.block_t, geom.num_tokens)  # 0 past T
+
+    hidden = _load_rows(hidden_ref, token_start, geom.block_t, geom.num_tokens, geom)
+    excluded = (_load_excluded(exclude_ref, token_start, num_exclude, geom)
+                if num_exclude else [])
+    _, items = _softmax_columns(vocab_start, valid, vector(limit_ref) if has_limit else None,
+                                excluded, geom)
+    logits = _tile_logits(hidden, table, bias)  # [block_t, block_v] f32
+    grad = _softmax_grad(logits, items, vector(log_z_ref), vector(scale_ref),
+                         vector(offset_ref) if has_offset else None)
+    table_grad = table_grad + lax.dot_general(
+        grad.astype(table.dtype), hidden, TN_DIMS, preferred_element_type=jnp.float32)
+    if has_bias:
+      bias_grad = bias_grad + jnp.sum(grad, axis=0)
+    return table_grad, bias_grad
+
+  init = (jnp.zeros((geom.block_v, geom.dim_padded), jnp.float32),
+          jnp.zeros((geom.block_v,), jnp.float32))
+  table_grad, bias_grad = lax.fori_loop(0, geom.num_token_tiles, accumulate, init)
+  given = _load_rows(table_grad_in_ref, vocab_start, geom.block_v, geom.vocab, geom)
+  _store_rows(table_grad_ref, given + table_grad, vocab_start, geom.vocab, geom)
+  if has_bias:
+    rows_ok = vocab_start + lax.broadcasted_iota(jnp.int32, (geom.block_v,), 0) < geom.vocab
+    given_bias = _load_vector(bias_grad_in_ref, vocab_start, geom.block_v, geom.vocab)
+    plgpu.store(bias_grad_ref.at[pl.ds(vocab_start, geom.block_v)], given_bias + bias_grad,
+                mask=rows_ok)
+
+
+@functools.partial(jax.named_call, name="cutbce_gpu_softmax_backward")
+def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad, bias_grad,
+                     offset=None, *, plan: TilePlan | None, num_items: int | None = None,
+                     valid_rows=None):
+  """dh `[T, D]` f32, `table_grad` (+ dense part) `[V, D]` f32, `bias_grad` or None.
+
+  G_tv = g_t exp(x_tv - log_z_t) - o_t on each token's softmax items, 0
+  elsewhere (the contract in `cutbce/kernels/xla.py`): a dh kernel over token
+  tiles and a dE kernel over vocab tiles, 2 dots per tile each, as for BCE.
+  """
+  exclude, limit = _softmax_operands(hidden, exclude_ids, valid_rows)
+  scale = scale.astype(jnp.float32)
+  offset = None if offset is None else offset.astype(jnp.float32)
+  hidden_grad = _run(_softmax_hidden_grad, hidden, table, bias, exclude, limit,
+                     log_z.astype(jnp.float32), scale, offset, plan=plan, num_items=num_items)
+  table_grad, bias_grad = _run(
+      _softmax_table_grad, hidden, table, bias, exclude, limit, log_z.astype(jnp.float32),
+      scale, offset, table_grad, bias_grad, plan=plan, num_items=num_items)
+  return hidden_grad, table_grad, bias_grad
+
+
+def _softmax_hidden_grad(hidden, table, bias, exclude, limit, log_z, scale, offset, *, plan,
+                         num_items, interpret):
+  hidden, table, geom = _prepare(hidden, table, plan, "backward", num_items)
+  num_tokens, dim = hidden.shape
+  has_bias = bias is not None
+  operands = [hidden, table] + ([bias.astype(jnp.float32)] if has_bias else [])
+  operands += [x for x in (exclude, limit, log_z, scale, offset) if x is not None]
+  partial = pl.pallas_call(
+      functools.partial(_softmax_hidden_grad_kernel, geom=geom, has_bias=has_bias,
+                        num_exclude=0 if exclude is None else exclude.shape[1],
+                        has_limit=limit is not None, has_offset=offset is not None),
+      grid=(geom.num_token_tiles, geom.vocab_splits),
+      out_shape=jax.ShapeDtypeStruct((geom.vocab_splits, num_tokens, dim), jnp.float32),
+      compiler_params=_compiler_params(geom),
+      interpret=interpret,
+      name=f"cutbce_gpu_softmax_dh_bt{geom.block_t}_bv{geom.block_v}_s{geom.vocab_splits}",
+  )(*operands)
+  return jnp.sum(partial, axis=0)
+
+
+def _softmax_table_grad(hidden, table, bias, exclude, limit, log_z, scale, offset, table_grad,
+                        bias_grad, *, plan, num_items, interpret):
+  hidden, table, geom = _prepare(hidden, table, plan, "table_grad", num_items)
+  has_bias = bias is not None
+  operands = [hidden, table] + ([bias.astype(jnp.float32)] if has_bias else [])
+  operands += [x for x in (exclude, limit, log_z, scale, offset) if x is not None]
+  aliases = {len(operands): 0}  # given table_grad -> dE output, updated in place
+  operands.append(table_grad.astype(jnp.float32))
+  out_shape = [jax.ShapeDtypeStruct(table_grad.shape, jnp.float32)]
+  if has_bias:
+    aliases[len(operands)] = 1
+    operands.append(bias_grad.astype(jnp.float32))
+    out_shape.append(jax.ShapeDtypeStruct(bias_grad.shape, jnp.float32))
+  outputs = pl.pallas_call(
+      functools.partial(_softmax_table_grad_kernel, geom=geom, has_bias=has_bias,
+                        num_exclude=0 if exclude is None else exclude.shape[1],
+                        has_limit=limit is not None, has_offset=offset is not None),
+      grid=(geom.num_vocab_tiles,),
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=_compiler_params(geom),
+      interpret=interpret,
+      name=f"cutbce_gpu_softmax_de_bt{geom.block_t}_bv{geom.block_v}",
+  )(*operands)
+  return outputs[0], (outputs[1] if has_bias else None)

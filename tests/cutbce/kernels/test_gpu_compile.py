@@ -80,6 +80,27 @@ def test_loss_gradients_and_ranks_compile_for_hopper(case):
   _check_no_token_by_vocab_buffer(ranks, tokens, vocab, dim)
 
 
+# (target, T, V, D, dtype, L, bias, exclude, num_items, options)
+SOFTMAX_CASES = [
+    ("h100", 4096, 131_072, 128, "bfloat16", 8, True, 0, None, {}),
+    ("h200", 1031, 1_000_003, 64, "float32", 4, False, 5, 999_999,
+     {"label_smoothing": 0.1, "target_reduction": "mean"}),
+]
+
+
+@pytest.mark.parametrize("case", SOFTMAX_CASES, ids=lambda c: f"{c[0]}-T{c[1]}-V{c[2]}-{c[4]}")
+def test_softmax_ce_compiles_for_hopper(case):
+  target, tokens, vocab, dim, dtype, num_targets, bias, exclude, num_items, options = case
+  loss = gpu_compiled.compile_loss(
+      target, "pallas_gpu", kind="softmax_ce", tokens=tokens, vocab=vocab, dim=dim,
+      dtype=jnp.dtype(dtype), num_targets=num_targets, bias=bias, num_exclude=exclude,
+      num_items=num_items, **options)
+  kernels = sorted(name.split("_bt")[0] for name in targets.triton_kernels(loss))
+  assert kernels == ["cutbce_gpu_softmax_de", "cutbce_gpu_softmax_dh",
+                     "cutbce_gpu_softmax_forward"], kernels
+  _check_no_token_by_vocab_buffer(loss, tokens, vocab, dim)
+
+
 @pytest.mark.parametrize("target", ["h100", "h200"])
 def test_temp_memory_is_flat_in_vocab_and_far_below_dense(target):
   shapes = dict(tokens=4096, dim=128, dtype=jnp.bfloat16, num_targets=8)
