@@ -1,7 +1,8 @@
 """The trainer's jitted step with `loss.backend="pallas_gpu"` on 8 simulated devices.
 
 Off a GPU the Triton kernels run in Pallas' generic interpreter; 3 steps of
-the smoke config on a data=2 x model=4 mesh (table rows split over "model")
+the smoke config on a data=2 x model=4 mesh (table rows split over "model"),
+with BCE and with the softmax cross-entropy,
 from one initial state on the same batches, dropout off, give the XLA path's
 losses, metrics and parameters to float32 rounding (the helpers and
 tolerances of test_train_pallas.py).
@@ -9,6 +10,7 @@ tolerances of test_train_pallas.py).
 
 import jax
 import numpy as np
+import pytest
 
 from tests.trainer import test_train_pallas as pallas_tests
 from trainer import loop
@@ -25,10 +27,8 @@ def _train(config, data, batches, backend):
   graphdef, tx, schedule, state, shardings = train_lib.create_sharded_state(
       config, num_items=data.num_items, mesh=mesh,
       vocab_shards=config_mesh.vocab_shard_count(config))
-  settings = train_lib.StepSettings(
-      mesh=mesh, token_axes=tuple(config.mesh.token_axes), vocab_axis=config.mesh.vocab_axis,
-      num_items=data.num_items, seed=config.seed, backend=backend,
-      vocab_reduction=config.loss.vocab_reduction)
+  config.loss.backend = backend
+  settings = train_lib.step_settings(config, mesh=mesh, num_items=data.num_items)
   step = train_lib.jit_train_step(graphdef, tx, schedule, settings, shardings)
   initial = jax.device_get(state["params"])
   sharding = train_lib.batch_sharding(mesh, config.mesh.token_axes)
@@ -41,8 +41,10 @@ def _train(config, data, batches, backend):
   return initial, metrics, jax.device_get(state["params"])
 
 
-def test_pallas_gpu_train_steps_match_xla(smoke_data_dir, tmp_path):
+@pytest.mark.parametrize("kind", ["bce", "softmax_ce"])
+def test_pallas_gpu_train_steps_match_xla(smoke_data_dir, tmp_path, kind):
   config = pallas_tests._config(smoke_data_dir, MESH)  # pylint: disable=protected-access
+  config.loss.kind = kind
   data = loop.prepare_data(config, str(tmp_path))
   iterator = data_lib.train_iterator(
       data, seq_len=config.seq_len, num_targets=config.num_targets,
