@@ -42,6 +42,7 @@ this lowering), bfloat16 dots accumulate in float32.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -340,31 +341,24 @@ def _hidden_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOpti
     plgpu.store(count_ref.at[split, pl.ds(token_start, geom.block_t)], count, mask=rows_ok)
 
 
-def _table_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOptions):
-  refs = list(refs)
-  hidden_ref = refs.pop(0)  # [T, D]
-  scale_ref = refs.pop(0)  # [T] f32
-  table_ref = refs.pop(0)  # [V, D]
-  bias_ref = refs.pop(0) if has_bias else None  # [V] f32
-  table_grad_in_ref = refs.pop(0)  # [V, D] f32, the given (sparse) part
-  bias_grad_in_ref = refs.pop(0) if has_bias else None  # [V] f32
-  table_grad_ref = refs.pop(0)  # [V, D] f32, aliased with table_grad_in
-  bias_grad_ref = refs.pop(0) if has_bias else None  # [V] f32, aliased
-  vocab_start = pl.program_id(0) * geom.block_v
-  table = _load_rows(table_ref, vocab_start, geom.block_v, geom.vocab, geom)  # [block_v, D]
-  bias = _load_vector(bias_ref, vocab_start, geom.block_v, geom.vocab) if has_bias else None
-  valid = _column_valid(vocab_start, geom)
-  compute_dtype = table.dtype
+def _table_grad_sweep(hidden_ref, out_refs, vocab_start, geom: Geometry, has_bias: bool,
+                      tile_grad):
+  """One vocab tile's dE (and db): sum over the token tiles of G^T @ H (and sum_t G).
+
+  `tile_grad(token_start, hidden)` gives the tile's `[block_t, block_v]` f32 G
+  (0 past T and on columns that are not items); the float32 sums, kept in
+  registers, are added once to the given sparse part (`out_refs`: the given
+  table and bias gradients, then their aliased outputs).
+  """
+  table_grad_in_ref, bias_grad_in_ref, table_grad_ref, bias_grad_ref = out_refs
 
   def accumulate(token_tile, carry):
     table_grad, bias_grad = carry
     token_start = token_tile * geom.block_t
     hidden = _load_rows(hidden_ref, token_start, geom.block_t, geom.num_tokens, geom)
-    scale = _load_vector(scale_ref, token_start, geom.block_t, geom.num_tokens)  # 0 past T
-    logits = _tile_logits(hidden, table, bias)  # [block_t, block_v] f32
-    grad = jnp.where(valid, scale[:, None] * variants.tile_grad(options, logits), 0.0)
+    grad = tile_grad(token_start, hidden)
     table_grad = table_grad + lax.dot_general(
-        grad.astype(compute_dtype), hidden, TN_DIMS, preferred_element_type=jnp.float32
+        grad.astype(hidden.dtype), hidden, TN_DIMS, preferred_element_type=jnp.float32
     )  # [block_v, D]
     if has_bias:
       bias_grad = bias_grad + jnp.sum(grad, axis=0)
@@ -380,6 +374,35 @@ def _table_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOptio
     given_bias = _load_vector(bias_grad_in_ref, vocab_start, geom.block_v, geom.vocab)
     plgpu.store(bias_grad_ref.at[pl.ds(vocab_start, geom.block_v)], given_bias + bias_grad,
                 mask=rows_ok)
+
+
+def _table_grad_outputs(refs: list, has_bias: bool):
+  """The dE kernels' last refs: given table (and bias) gradient, then their aliased outputs."""
+  table_grad_in = refs.pop(0)  # [V, D] f32, the given (sparse) part
+  bias_grad_in = refs.pop(0) if has_bias else None  # [V] f32
+  table_grad = refs.pop(0)  # [V, D] f32, aliased with table_grad_in
+  bias_grad = refs.pop(0) if has_bias else None  # [V] f32, aliased
+  return table_grad_in, bias_grad_in, table_grad, bias_grad
+
+
+def _table_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOptions):
+  refs = list(refs)
+  hidden_ref = refs.pop(0)  # [T, D]
+  scale_ref = refs.pop(0)  # [T] f32
+  table_ref = refs.pop(0)  # [V, D]
+  bias_ref = refs.pop(0) if has_bias else None  # [V] f32
+  out_refs = _table_grad_outputs(refs, has_bias)
+  vocab_start = pl.program_id(0) * geom.block_v
+  table = _load_rows(table_ref, vocab_start, geom.block_v, geom.vocab, geom)  # [block_v, D]
+  bias = _load_vector(bias_ref, vocab_start, geom.block_v, geom.vocab) if has_bias else None
+  valid = _column_valid(vocab_start, geom)
+
+  def tile_grad(token_start, hidden):
+    scale = _load_vector(scale_ref, token_start, geom.block_t, geom.num_tokens)  # 0 past T
+    logits = _tile_logits(hidden, table, bias)  # [block_t, block_v] f32
+    return jnp.where(valid, scale[:, None] * variants.tile_grad(options, logits), 0.0)
+
+  _table_grad_sweep(hidden_ref, out_refs, vocab_start, geom, has_bias, tile_grad)
 
 
 @functools.partial(jax.named_call, name="cutbce_gpu_backward")
@@ -449,27 +472,35 @@ def _hidden_grad(hidden, table, bias, scale, *, plan, options, num_items, with_l
 def _table_grad(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, num_items,
                 interpret):
   hidden, table, geom = _prepare(hidden, table, plan, "table_grad", num_items)
-  has_bias = bias is not None
   operands = [hidden, scale.astype(jnp.float32), table]
-  if has_bias:
+  if bias is not None:
     operands.append(bias.astype(jnp.float32))
+  kernel = functools.partial(_table_grad_kernel, geom=geom, has_bias=bias is not None,
+                             options=options)
+  return _call_table_grad(kernel, operands, table_grad, bias_grad, geom, interpret,
+                          name=f"cutbce_gpu_de_bt{geom.block_t}_bv{geom.block_v}")
+
+
+def _call_table_grad(kernel, operands: list, table_grad, bias_grad, geom: Geometry, interpret,
+                     *, name: str):
+  """A dE kernel over the vocab tiles: the given gradients updated in place (aliased)."""
   aliases = {len(operands): 0}  # given table_grad -> dE output, updated in place
-  operands.append(table_grad.astype(jnp.float32))
+  operands = operands + [table_grad.astype(jnp.float32)]
   out_shape = [jax.ShapeDtypeStruct(table_grad.shape, jnp.float32)]
-  if has_bias:
+  if bias_grad is not None:
     aliases[len(operands)] = 1
     operands.append(bias_grad.astype(jnp.float32))
     out_shape.append(jax.ShapeDtypeStruct(bias_grad.shape, jnp.float32))
   outputs = pl.pallas_call(
-      functools.partial(_table_grad_kernel, geom=geom, has_bias=has_bias, options=options),
+      kernel,
       grid=(geom.num_vocab_tiles,),
       out_shape=out_shape,
       input_output_aliases=aliases,
       compiler_params=_compiler_params(geom),
       interpret=interpret,
-      name=f"cutbce_gpu_de_bt{geom.block_t}_bv{geom.block_v}",
+      name=name,
   )(*operands)
-  return outputs[0], (outputs[1] if has_bias else None)
+  return outputs[0], (outputs[1] if bias_grad is not None else None)
 
 
 # --------------------------------------------------------------------------- #
@@ -695,29 +726,57 @@ def _softmax_grad(logits, items, log_z, scale, offset):
   return jnp.where(items, grad, 0.0)
 
 
-def _softmax_hidden_grad_kernel(*refs, geom: Geometry, has_bias: bool, num_exclude: int,
-                                has_limit: bool, has_offset: bool):
+class _BackwardOperands(NamedTuple):
+  """Which optional operands the softmax backward kernels take (static)."""
+
+  has_bias: bool
+  num_exclude: int
+  has_limit: bool
+  has_offset: bool
+
+
+def _backward_operands(hidden, table, bias, exclude, limit, log_z, scale, offset):
+  """(operand list, `_BackwardOperands`) of the softmax backward kernels, absent ones left out."""
+  present = _BackwardOperands(bias is not None, 0 if exclude is None else exclude.shape[1],
+                              limit is not None, offset is not None)
+  operands = [hidden, table] + ([] if bias is None else [bias.astype(jnp.float32)])
+  operands += [x for x in (exclude, limit, log_z, scale, offset) if x is not None]
+  return operands, present
+
+
+def _pop_backward_refs(refs: list, present: _BackwardOperands):
+  """hidden `[T, D]`, table `[V, D]`, bias `[V]` f32, then the token side: exclude `[T, E]`
+  int32, limit `[T]` int32, log_z, scale, offset `[T]` f32 (None where absent)."""
+  hidden, table = refs.pop(0), refs.pop(0)
+  bias = refs.pop(0) if present.has_bias else None
+  exclude = refs.pop(0) if present.num_exclude else None
+  limit = refs.pop(0) if present.has_limit else None
+  log_z, scale = refs.pop(0), refs.pop(0)
+  offset = refs.pop(0) if present.has_offset else None
+  return hidden, table, bias, (exclude, limit, log_z, scale, offset)
+
+
+def _token_side(token_refs, token_start, present: _BackwardOperands, geom: Geometry):
+  """One token tile's (excluded id columns, limit, log_z, scale, offset); 0 or -1 past T."""
+  exclude_ref, limit_ref, log_z_ref, scale_ref, offset_ref = token_refs
+
+  def vector(ref):
+    return None if ref is None else _load_vector(ref, token_start, geom.block_t,
+                                                 geom.num_tokens)
+
+  excluded = (_load_excluded(exclude_ref, token_start, present.num_exclude, geom)
+              if present.num_exclude else [])
+  return excluded, vector(limit_ref), vector(log_z_ref), vector(scale_ref), vector(offset_ref)
+
+
+def _softmax_hidden_grad_kernel(*refs, geom: Geometry, present: _BackwardOperands):
   refs = list(refs)
-  hidden_ref = refs.pop(0)  # [T, D]
-  table_ref = refs.pop(0)  # [V, D]
-  bias_ref = refs.pop(0) if has_bias else None  # [V] f32
-  exclude_ref = refs.pop(0) if num_exclude else None  # [T, E] int32
-  limit_ref = refs.pop(0) if has_limit else None  # [T] int32
-  log_z_ref = refs.pop(0)  # [T] f32
-  scale_ref = refs.pop(0)  # [T] f32
-  offset_ref = refs.pop(0) if has_offset else None  # [T] f32
+  hidden_ref, table_ref, bias_ref, token_refs = _pop_backward_refs(refs, present)
   hidden_grad_ref = refs.pop(0)  # [splits, T, D] f32
   token_start = pl.program_id(0) * geom.block_t
   split = pl.program_id(1)
   hidden = _load_rows(hidden_ref, token_start, geom.block_t, geom.num_tokens, geom)
-  excluded = _load_excluded(exclude_ref, token_start, num_exclude, geom) if num_exclude else []
-
-  def vector(ref):
-    return _load_vector(ref, token_start, geom.block_t, geom.num_tokens)  # 0 past T
-
-  limit = vector(limit_ref) if has_limit else None
-  log_z, scale = vector(log_z_ref), vector(scale_ref)
-  offset = vector(offset_ref) if has_offset else None
+  excluded, limit, log_z, scale, offset = _token_side(token_refs, token_start, present, geom)
 
   def accumulate(tile, hidden_grad):
     table, logits, valid = _vocab_step(table_ref, bias_ref, hidden, tile, geom)
@@ -732,57 +791,23 @@ def _softmax_hidden_grad_kernel(*refs, geom: Geometry, has_bias: bool, num_exclu
   _store_rows(hidden_grad_ref, hidden_grad, token_start, geom.num_tokens, geom, split)
 
 
-def _softmax_table_grad_kernel(*refs, geom: Geometry, has_bias: bool, num_exclude: int,
-                               has_limit: bool, has_offset: bool):
+def _softmax_table_grad_kernel(*refs, geom: Geometry, present: _BackwardOperands):
   refs = list(refs)
-  hidden_ref = refs.pop(0)  # [T, D]
-  table_ref = refs.pop(0)  # [V, D]
-  bias_ref = refs.pop(0) if has_bias else None  # [V] f32
-  exclude_ref = refs.pop(0) if num_exclude else None  # [T, E] int32
-  limit_ref = refs.pop(0) if has_limit else None  # [T] int32
-  log_z_ref = refs.pop(0)  # [T] f32
-  scale_ref = refs.pop(0)  # [T] f32
-  offset_ref = refs.pop(0) if has_offset else None  # [T] f32
-  table_grad_in_ref = refs.pop(0)  # [V, D] f32, the given (sparse) part
-  bias_grad_in_ref = refs.pop(0) if has_bias else None  # [V] f32
-  table_grad_ref = refs.pop(0)  # [V, D] f32, aliased with table_grad_in
-  bias_grad_ref = refs.pop(0) if has_bias else None  # [V] f32, aliased
+  hidden_ref, table_ref, bias_ref, token_refs = _pop_backward_refs(refs, present)
+  out_refs = _table_grad_outputs(refs, present.has_bias)
   vocab_start = pl.program_id(0) * geom.block_v
   table = _load_rows(table_ref, vocab_start, geom.block_v, geom.vocab, geom)  # [block_v, D]
-  bias = _load_vector(bias_ref, vocab_start, geom.block_v, geom.vocab) if has_bias else None
+  bias = (_load_vector(bias_ref, vocab_start, geom.block_v, geom.vocab)
+          if present.has_bias else None)
   valid = _column_valid(vocab_start, geom)
 
-  def accumulate(token_tile, carry):
-    table_grad, bias_grad = carry
-    token_start = token_tile * geom.block_t
-
-    def vector(ref):
-      return _load_vector(ref, token_start, geom.block_t, geom.num_tokens)  # 0 past T
-
-    hidden = _load_rows(hidden_ref, token_start, geom.block_t, geom.num_tokens, geom)
-    excluded = (_load_excluded(exclude_ref, token_start, num_exclude, geom)
-                if num_exclude else [])
-    _, items = _softmax_columns(vocab_start, valid, vector(limit_ref) if has_limit else None,
-                                excluded, geom)
+  def tile_grad(token_start, hidden):
+    excluded, limit, log_z, scale, offset = _token_side(token_refs, token_start, present, geom)
+    _, items = _softmax_columns(vocab_start, valid, limit, excluded, geom)
     logits = _tile_logits(hidden, table, bias)  # [block_t, block_v] f32
-    grad = _softmax_grad(logits, items, vector(log_z_ref), vector(scale_ref),
-                         vector(offset_ref) if has_offset else None)
-    table_grad = table_grad + lax.dot_general(
-        grad.astype(table.dtype), hidden, TN_DIMS, preferred_element_type=jnp.float32)
-    if has_bias:
-      bias_grad = bias_grad + jnp.sum(grad, axis=0)
-    return table_grad, bias_grad
+    return _softmax_grad(logits, items, log_z, scale, offset)
 
-  init = (jnp.zeros((geom.block_v, geom.dim_padded), jnp.float32),
-          jnp.zeros((geom.block_v,), jnp.float32))
-  table_grad, bias_grad = lax.fori_loop(0, geom.num_token_tiles, accumulate, init)
-  given = _load_rows(table_grad_in_ref, vocab_start, geom.block_v, geom.vocab, geom)
-  _store_rows(table_grad_ref, given + table_grad, vocab_start, geom.vocab, geom)
-  if has_bias:
-    rows_ok = vocab_start + lax.broadcasted_iota(jnp.int32, (geom.block_v,), 0) < geom.vocab
-    given_bias = _load_vector(bias_grad_in_ref, vocab_start, geom.block_v, geom.vocab)
-    plgpu.store(bias_grad_ref.at[pl.ds(vocab_start, geom.block_v)], given_bias + bias_grad,
-                mask=rows_ok)
+  _table_grad_sweep(hidden_ref, out_refs, vocab_start, geom, present.has_bias, tile_grad)
 
 
 @functools.partial(jax.named_call, name="cutbce_gpu_softmax_backward")
@@ -809,16 +834,12 @@ def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad,
 def _softmax_hidden_grad(hidden, table, bias, exclude, limit, log_z, scale, offset, *, plan,
                          num_items, interpret):
   hidden, table, geom = _prepare(hidden, table, plan, "backward", num_items)
-  num_tokens, dim = hidden.shape
-  has_bias = bias is not None
-  operands = [hidden, table] + ([bias.astype(jnp.float32)] if has_bias else [])
-  operands += [x for x in (exclude, limit, log_z, scale, offset) if x is not None]
+  operands, present = _backward_operands(hidden, table, bias, exclude, limit, log_z, scale,
+                                         offset)
   partial = pl.pallas_call(
-      functools.partial(_softmax_hidden_grad_kernel, geom=geom, has_bias=has_bias,
-                        num_exclude=0 if exclude is None else exclude.shape[1],
-                        has_limit=limit is not None, has_offset=offset is not None),
+      functools.partial(_softmax_hidden_grad_kernel, geom=geom, present=present),
       grid=(geom.num_token_tiles, geom.vocab_splits),
-      out_shape=jax.ShapeDtypeStruct((geom.vocab_splits, num_tokens, dim), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((geom.vocab_splits,) + hidden.shape, jnp.float32),
       compiler_params=_compiler_params(geom),
       interpret=interpret,
       name=f"cutbce_gpu_softmax_dh_bt{geom.block_t}_bv{geom.block_v}_s{geom.vocab_splits}",
@@ -829,25 +850,8 @@ def _softmax_hidden_grad(hidden, table, bias, exclude, limit, log_z, scale, offs
 def _softmax_table_grad(hidden, table, bias, exclude, limit, log_z, scale, offset, table_grad,
                         bias_grad, *, plan, num_items, interpret):
   hidden, table, geom = _prepare(hidden, table, plan, "table_grad", num_items)
-  has_bias = bias is not None
-  operands = [hidden, table] + ([bias.astype(jnp.float32)] if has_bias else [])
-  operands += [x for x in (exclude, limit, log_z, scale, offset) if x is not None]
-  aliases = {len(operands): 0}  # given table_grad -> dE output, updated in place
-  operands.append(table_grad.astype(jnp.float32))
-  out_shape = [jax.ShapeDtypeStruct(table_grad.shape, jnp.float32)]
-  if has_bias:
-    aliases[len(operands)] = 1
-    operands.append(bias_grad.astype(jnp.float32))
-    out_shape.append(jax.ShapeDtypeStruct(bias_grad.shape, jnp.float32))
-  outputs = pl.pallas_call(
-      functools.partial(_softmax_table_grad_kernel, geom=geom, has_bias=has_bias,
-                        num_exclude=0 if exclude is None else exclude.shape[1],
-                        has_limit=limit is not None, has_offset=offset is not None),
-      grid=(geom.num_vocab_tiles,),
-      out_shape=out_shape,
-      input_output_aliases=aliases,
-      compiler_params=_compiler_params(geom),
-      interpret=interpret,
-      name=f"cutbce_gpu_softmax_de_bt{geom.block_t}_bv{geom.block_v}",
-  )(*operands)
-  return outputs[0], (outputs[1] if has_bias else None)
+  operands, present = _backward_operands(hidden, table, bias, exclude, limit, log_z, scale,
+                                         offset)
+  kernel = functools.partial(_softmax_table_grad_kernel, geom=geom, present=present)
+  return _call_table_grad(kernel, operands, table_grad, bias_grad, geom, interpret,
+                          name=f"cutbce_gpu_softmax_de_bt{geom.block_t}_bv{geom.block_v}")
