@@ -232,9 +232,9 @@ def build_manifest(*, dataset: str, source_options: Mapping | None, raw_interact
                    seq_lens: tuple[int, ...]) -> dict:
   """The manifest of a preparation (before :func:`write_prepared` adds the array table).
 
-  Every preparation path (in memory, :mod:`trainer.data.prepare`, or out of core,
-  :mod:`trainer.data.engine`) builds it
-  here, so the same data gives the same manifest.
+  Every preparation path (in memory, :mod:`trainer.data.prepare`, or out of
+  core, :mod:`trainer.data.engine`) builds it here, so the same data gives the
+  same manifest.
   """
   validation, test = parts.validation, parts.test
   history = np.concatenate([validation[:, 1], test[:, 1]])
