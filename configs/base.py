@@ -86,6 +86,10 @@ def get_config() -> ml_collections.ConfigDict:
   # "loo" (leave-one-out) or "gts" (global temporal split with split_options).
   config.data.split = "loo"
   config.data.split_options = ml_collections.ConfigDict()
+  # Training windows of an epoch: "all" non-overlapping N-windows of every
+  # history (long histories used in full), or "last": each user's most recent
+  # window, one sequence per user (the published SASRec recipes).
+  config.data.train_windows = "all"
   # grain read threads and batches read ahead.
   config.data.num_threads = 2
   config.data.prefetch_buffer_size = 4

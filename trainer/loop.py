@@ -178,7 +178,8 @@ class Trainer:
         self.data, seq_len=config.seq_len, num_targets=config.num_targets,
         batch_size=config.batch_size // jax.process_count(), seed=config.seed,
         num_threads=config.data.num_threads,
-        prefetch_buffer_size=config.data.prefetch_buffer_size)
+        prefetch_buffer_size=config.data.prefetch_buffer_size,
+        train_windows=config.data.get("train_windows", "all"))
     latest = checkpoint.latest_step(self.manager)
     if latest is None:
       self.state = plan.init()

@@ -165,11 +165,12 @@ def test_shards_hold_the_same_events_cut_by_user(tmp_path):
                                    num_shards=2) == ["num_shards: prepared 4, asked 2"]
 
 
-@pytest.mark.parametrize("process_count", [2, 4])
+@pytest.mark.parametrize("process_count,train_windows", [(2, "all"), (4, "all"), (2, "last")])
 def test_each_process_reads_only_its_shards_and_batches_equal_one_process(tmp_path,
-                                                                          process_count):
+                                                                          process_count,
+                                                                          train_windows):
   _, sharded = _sharded_pair(tmp_path, 4)
-  options = dict(seq_len=4, num_targets=2, batch_size=3, seed=5)
+  options = dict(seq_len=4, num_targets=2, batch_size=3, seed=5, train_windows=train_windows)
   single = storage.load_prepared(sharded["duckdb"])
   whole = list(pipeline.train_dataset(single, process_index=0, process_count=1,
                                       **{**options, "batch_size": 3 * process_count})[:6])

@@ -52,6 +52,74 @@ def test_windows_and_targets_on_a_hand_made_sequence(hand_prepared):
   assert batch["weights"].dtype == np.float32
 
 
+def test_last_policy_is_each_users_most_recent_window(hand_prepared):
+  data, v = hand_prepared, hand_prepared.num_items
+  # Leave-one-out: user 0 trains on items 0..4 (5 validation, 6 test), user 1
+  # on 7, 8, 9 (7 validation, 8 test).
+  users, ends = windows.train_window_index(data.train_lengths, seq_len=3,
+                                           train_windows="last")
+  np.testing.assert_array_equal(users, [0, 1])
+  np.testing.assert_array_equal(ends, [4, 2])
+  assert windows.num_train_windows(data.train_lengths, 3, "last") == 2
+  assert windows.num_train_windows(data.train_lengths, 3, "all") == 3
+  batch = windows.build_train_batch(
+      data.items, data.offsets, data.train_lengths, users, ends, seq_len=3,
+      num_targets=2, num_items=v)
+  np.testing.assert_array_equal(batch["inputs"], [[1, 2, 3], [v, 7, 8]])
+  np.testing.assert_array_equal(batch["targets"], [
+      [[2, 3], [3, 4], [4, -1]],
+      [[-1, -1], [8, 9], [9, -1]],
+  ])
+  # A window longer than the history: left-padded, the same last targets.
+  users, ends = windows.train_window_index(data.train_lengths, seq_len=6,
+                                           train_windows="last")
+  batch = windows.build_train_batch(
+      data.items, data.offsets, data.train_lengths, users, ends, seq_len=6,
+      num_targets=1, num_items=v)
+  np.testing.assert_array_equal(batch["inputs"][0], [v, v, 0, 1, 2, 3])
+  np.testing.assert_array_equal(batch["targets"][0, :, 0], [-1, -1, 1, 2, 3, 4])
+  np.testing.assert_array_equal(batch["weights"][0], [0, 0, 1, 1, 1, 1])
+  with pytest.raises(ValueError, match="train_windows must be one of"):
+    windows.train_window_index(data.train_lengths, 3, "first")
+
+
+@pytest.mark.parametrize("train_windows", windows.TRAIN_WINDOWS)
+def test_labels_never_hold_held_out_items(synthetic_prepared, train_windows):
+  data = synthetic_prepared
+  users, ends = windows.train_window_index(data.train_lengths, 8, train_windows)
+  batch = windows.build_train_batch(
+      data.items, data.offsets, data.train_lengths, users, ends, seq_len=8,
+      num_targets=3, num_items=data.num_items)
+  # Every label is an item at a training position of its user, and the
+  # newest window of each user ends at its last training item.
+  base = data.offsets[users][:, None, None]
+  pos = ends[:, None, None] - 8 + np.arange(8)[None, :, None] + 1 + np.arange(3)
+  valid = batch["targets"] >= 0
+  assert (pos < data.train_lengths[users][:, None, None])[valid].all()
+  np.testing.assert_array_equal(batch["targets"][valid],
+                                np.asarray(data.items)[(base + pos)[valid]])
+  last = data.offsets[users] + data.train_lengths[users] - 1
+  newest = np.r_[users[1:] != users[:-1], True]
+  np.testing.assert_array_equal(batch["targets"][newest, -1, 0],
+                                np.asarray(data.items)[last[newest]])
+  if train_windows == "last":
+    np.testing.assert_array_equal(users, np.flatnonzero(data.train_lengths >= 2))
+
+
+@pytest.mark.parametrize("train_windows", windows.TRAIN_WINDOWS)
+def test_one_epoch_of_a_policy_yields_its_windows_once(synthetic_prepared, train_windows):
+  data = synthetic_prepared
+  ds = pipeline.train_dataset(data, seq_len=8, num_targets=2, batch_size=1, seed=0,
+                              num_epochs=1, process_index=0, process_count=1,
+                              train_windows=train_windows)
+  seen = sorted(r for batch in ds for r in _rows(batch))
+  users, ends = windows.train_window_index(data.train_lengths, 8, train_windows)
+  expected = windows.build_train_batch(
+      data.items, data.offsets, data.train_lengths, users, ends, seq_len=8,
+      num_targets=2, num_items=data.num_items)
+  assert seen == sorted(_rows(expected))
+
+
 def test_one_epoch_yields_every_window_once(synthetic_prepared):
   data = synthetic_prepared
   n, l = 8, 3
@@ -92,11 +160,12 @@ def test_seeded_pipeline_is_deterministic(synthetic_prepared):
                  for a, b in zip(first, other))
 
 
-def test_resume_from_saved_state_yields_the_next_batches(synthetic_prepared):
+@pytest.mark.parametrize("train_windows", windows.TRAIN_WINDOWS)
+def test_resume_from_saved_state_yields_the_next_batches(synthetic_prepared, train_windows):
   kwargs = dict(seq_len=8, num_targets=2, batch_size=16, seed=3,
-                process_index=0, process_count=1)
+                process_index=0, process_count=1, train_windows=train_windows)
   # More batches than one epoch holds, to cross an epoch boundary.
-  epoch = synthetic_prepared.manifest["train_windows"]["8"] // 16
+  epoch = windows.num_train_windows(synthetic_prepared.train_lengths, 8, train_windows) // 16
   iterator = pipeline.train_iterator(synthetic_prepared, **kwargs)
   _take(iterator, epoch - 1)
   state = json.loads(json.dumps(iterator.get_state()))  # as a checkpoint does
@@ -106,10 +175,11 @@ def test_resume_from_saved_state_yields_the_next_batches(synthetic_prepared):
   _assert_same(_take(resumed, 4), expected)
 
 
+@pytest.mark.parametrize("train_windows", windows.TRAIN_WINDOWS)
 @pytest.mark.parametrize("process_count", [2, 3])
 def test_process_shards_partition_the_global_batch(synthetic_prepared,
-                                                   process_count):
-  kwargs = dict(seq_len=8, num_targets=2, seed=11)
+                                                   process_count, train_windows):
+  kwargs = dict(seq_len=8, num_targets=2, seed=11, train_windows=train_windows)
   per_process = 4
   single = _take(pipeline.train_iterator(
       synthetic_prepared, batch_size=per_process * process_count,

@@ -30,7 +30,7 @@ from etils import epath
 
 from cutbce.backends import BACKEND_CHOICES
 from trainer import paths
-from trainer.data import engine, files, prepare, sources, splits, yambda
+from trainer.data import engine, files, prepare, sources, splits, windows, yambda
 from trainer.config.schema import (BOOL, FLOAT, INT, INTS, STR, STRS, ConfigError, Rule, above,
                             at_least, flatten, fraction, key, one_of, sections_of, unit)
 from trainer.config import schema
@@ -100,6 +100,9 @@ KEYS: tuple[schema.Key, ...] = (
         "(None: 5 for MovieLens, 1 for Yambda and files, 0 = whole catalog for synthetic)",
         none_ok=True),
     key("data.split", STR, one_of(*splits.SPLITS), "leave-one-out or global temporal split"),
+    key("data.train_windows", STR, one_of(*windows.TRAIN_WINDOWS), "training windows of an "
+        "epoch: 'all' non-overlapping windows of every history, or 'last', each user's most "
+        "recent window (one sequence per user, as the published SASRec recipes)"),
     key("data.num_threads", INT, at_least(0), "grain read threads"),
     key("data.prefetch_buffer_size", INT, at_least(0), "batches read ahead"),
     key("data.source_options.num_users", INT, _INT32_IDS, "synthetic users",

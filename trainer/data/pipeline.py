@@ -63,12 +63,13 @@ def _process(process_index: int | None, process_count: int | None
 class _TrainBatch:
   """Picklable map function: window ids ``[b]`` -> training batch."""
 
-  def __init__(self, data: PreparedDataset, seq_len: int, num_targets: int):
+  def __init__(self, data: PreparedDataset, seq_len: int, num_targets: int,
+               train_windows: str):
     self._data = data
     self._seq_len = seq_len
     self._num_targets = num_targets
     self._users, self._ends = windows.train_window_index(
-        data.train_lengths, seq_len)
+        data.train_lengths, seq_len, train_windows)
 
   def __len__(self) -> int:
     return int(self._users.shape[0])
@@ -113,9 +114,10 @@ class _ShardRoundRobin(grain.MapDataset):
     return f"ShardRoundRobin(shards={len(self._streams)})"
 
 
-def _shard_window_bounds(data: PreparedDataset, seq_len: int) -> list[tuple[int, int]]:
+def _shard_window_bounds(data: PreparedDataset, seq_len: int,
+                        train_windows: str) -> list[tuple[int, int]]:
   """Per user shard with training windows: its range of (user-major) window ids."""
-  per_user = windows.num_windows_per_user(data.train_lengths, seq_len)
+  per_user = windows.num_windows_per_user(data.train_lengths, seq_len, train_windows)
   first = np.concatenate([[0], np.cumsum(per_user)])
   users = data.shard_users
   bounds = [(int(first[a]), int(first[b])) for a, b in zip(users[:-1], users[1:])]
@@ -125,7 +127,8 @@ def _shard_window_bounds(data: PreparedDataset, seq_len: int) -> list[tuple[int,
 def train_dataset(data: PreparedDataset, *, seq_len: int, num_targets: int,
                   batch_size: int, seed: int, num_epochs: int | None = None,
                   process_index: int | None = None,
-                  process_count: int | None = None) -> grain.MapDataset:
+                  process_count: int | None = None,
+                  train_windows: str = "all") -> grain.MapDataset:
   """The training pipeline as a (random-access) ``grain.MapDataset``.
 
   Args:
@@ -138,6 +141,9 @@ def train_dataset(data: PreparedDataset, *, seq_len: int, num_targets: int,
       batch is dropped.
     process_index: this process; defaults to ``jax.process_index()``.
     process_count: number of processes; defaults to ``jax.process_count()``.
+    train_windows: the windows of an epoch: ``"all"`` non-overlapping
+      windows of every history, or ``"last"``, each user's most recent
+      window (:mod:`trainer.data.windows`).
 
   Returns:
     MapDataset of dicts: ``inputs`` int32 ``[b, N]`` (padding V), ``targets``
@@ -150,12 +156,12 @@ def train_dataset(data: PreparedDataset, *, seq_len: int, num_targets: int,
   windows.check_positive(seq_len=seq_len, num_targets=num_targets,
                          batch_size=batch_size)
   index, count = _process(process_index, process_count)
-  make_batch = _TrainBatch(data, seq_len, num_targets)
+  make_batch = _TrainBatch(data, seq_len, num_targets, train_windows)
   if len(make_batch) == 0:
     raise ValueError(f"{data.path} has no training window: no user has 2 or "
                      "more training events; expected at least one")
   if data.num_shards > 1:
-    dataset = _ShardRoundRobin(_shard_window_bounds(data, seq_len), seed=seed,
+    dataset = _ShardRoundRobin(_shard_window_bounds(data, seq_len, train_windows), seed=seed,
                                num_epochs=num_epochs)[index::count]
   else:
     dataset = grain.MapDataset.range(len(make_batch)).shuffle(seed=seed)
@@ -167,7 +173,8 @@ def train_iterator(data: PreparedDataset, *, seq_len: int, num_targets: int,
                    batch_size: int, seed: int, num_epochs: int | None = None,
                    process_index: int | None = None,
                    process_count: int | None = None, num_threads: int = 2,
-                   prefetch_buffer_size: int = 8) -> grain.DatasetIterator:
+                   prefetch_buffer_size: int = 8,
+                   train_windows: str = "all") -> grain.DatasetIterator:
   """A checkpointable iterator over :func:`train_dataset` batches.
 
   The iterator's ``get_state()`` / ``set_state(state)`` (and
@@ -177,7 +184,7 @@ def train_iterator(data: PreparedDataset, *, seq_len: int, num_targets: int,
 
   Args:
     data, seq_len, num_targets, batch_size, seed, num_epochs, process_index,
-      process_count: see :func:`train_dataset`.
+      process_count, train_windows: see :func:`train_dataset`.
     num_threads: grain read threads.
     prefetch_buffer_size: batches read ahead.
 
@@ -192,7 +199,7 @@ def train_iterator(data: PreparedDataset, *, seq_len: int, num_targets: int,
   dataset = train_dataset(data, seq_len=seq_len, num_targets=num_targets,
                           batch_size=batch_size, seed=seed,
                           num_epochs=num_epochs, process_index=process_index,
-                          process_count=process_count)
+                          process_count=process_count, train_windows=train_windows)
   options = grain.ReadOptions(num_threads=num_threads,
                               prefetch_buffer_size=prefetch_buffer_size)
   return iter(dataset.to_iter_dataset(options))

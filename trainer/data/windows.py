@@ -15,7 +15,16 @@ input positions ``j`` in ``[0, n - 1)`` (those with a next item) are cut from
 the end into windows of N: the last window is positions ``n-1-N .. n-2``, the
 one before ends N earlier, and the oldest one is left-padded. Position j has
 targets ``s[j+1 : j+1+L]`` padded with -1 past the end, and weight 1 (0 on
-padding). A user has ``ceil((n - 1) / N)`` windows.
+padding). Which windows an epoch holds is the window policy
+(:data:`TRAIN_WINDOWS`):
+
+* ``"all"``: every non-overlapping window, cut from the end as above; a user
+  has ``ceil((n - 1) / N)`` windows. Long histories are used in full, and
+  heavy users dominate the epoch.
+* ``"last"``: one window per user (n >= 2), the most recent one: positions
+  ``n-1-N .. n-2``, whose targets end at the user's last training item. This
+  is how the published SASRec recipes train (SASRec, SASRec+, gSASRec): an
+  epoch is one sequence per user.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 PAD = -1
+TRAIN_WINDOWS = ("all", "last")
 
 
 def input_pad_id(num_items: int) -> int:
@@ -37,37 +47,48 @@ def check_positive(**values: int) -> None:
       raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def _windows_per_user(train_lengths: np.ndarray, seq_len: int) -> np.ndarray:
+def check_policy(train_windows: str) -> None:
+  """Raises ValueError unless ``train_windows`` is one of :data:`TRAIN_WINDOWS`."""
+  if train_windows not in TRAIN_WINDOWS:
+    raise ValueError(f"train_windows must be one of {TRAIN_WINDOWS}, got {train_windows!r}")
+
+
+def _windows_per_user(train_lengths: np.ndarray, seq_len: int,
+                      train_windows: str = "all") -> np.ndarray:
+  check_positive(seq_len=seq_len)
+  check_policy(train_windows)
   positions = np.maximum(np.asarray(train_lengths, np.int64) - 1, 0)
+  if train_windows == "last":
+    return np.minimum(positions, 1)  # 1 window, 0 when n < 2.
   return -(-positions // seq_len)  # ceil((n - 1) / N), 0 when n < 2.
 
 
-def num_windows_per_user(train_lengths: np.ndarray, seq_len: int) -> np.ndarray:
+def num_windows_per_user(train_lengths: np.ndarray, seq_len: int,
+                         train_windows: str = "all") -> np.ndarray:
   """int64 ``[U]`` training windows of N = ``seq_len`` inputs per user."""
-  check_positive(seq_len=seq_len)
-  return _windows_per_user(train_lengths, seq_len)
+  return _windows_per_user(train_lengths, seq_len, train_windows)
 
 
-def num_train_windows(train_lengths: np.ndarray, seq_len: int) -> int:
-  """Number of training windows of N = ``seq_len`` inputs over all users."""
-  check_positive(seq_len=seq_len)
-  return int(_windows_per_user(train_lengths, seq_len).sum())
+def num_train_windows(train_lengths: np.ndarray, seq_len: int,
+                      train_windows: str = "all") -> int:
+  """Number of training windows of N = ``seq_len`` inputs over all users (one epoch)."""
+  return int(_windows_per_user(train_lengths, seq_len, train_windows).sum())
 
 
-def train_window_index(train_lengths: np.ndarray, seq_len: int
-                       ) -> tuple[np.ndarray, np.ndarray]:
+def train_window_index(train_lengths: np.ndarray, seq_len: int,
+                       train_windows: str = "all") -> tuple[np.ndarray, np.ndarray]:
   """Enumerates training windows, user-major, oldest window first.
 
   Args:
     train_lengths: int ``[U]`` training prefix length per user.
     seq_len: N.
+    train_windows: the window policy, ``"all"`` or ``"last"`` (module doc).
 
   Returns:
     ``(users, ends)``, int64 ``[W]`` each: window w covers input positions
     ``ends[w] - N .. ends[w] - 1`` of user ``users[w]`` (negative = padding).
   """
-  check_positive(seq_len=seq_len)
-  counts = _windows_per_user(train_lengths, seq_len)
+  counts = _windows_per_user(train_lengths, seq_len, train_windows)
   users = np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts)
   first = np.concatenate([[0], np.cumsum(counts)[:-1]])
   k = np.arange(users.shape[0], dtype=np.int64) - first[users]
