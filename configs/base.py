@@ -107,6 +107,11 @@ def get_config() -> ml_collections.ConfigDict:
   # per distinct target (SASRec's multi-target CE); "mean" averages them, so a
   # position weighs the same whatever its number of targets. BCE: "sum" only.
   config.loss.target_reduction = "sum"
+  # "window": each position's negatives leave out the items of its own training
+  # window (the user's recent items; passed to the op as `exclude`, targets
+  # stay targets; costs a gather of N + L table rows per position); "none":
+  # every item that is not a target is a negative. Both loss kinds.
+  config.loss.exclude = "none"
   # Loss variants of `cutbce.cut_bce`, all off by default. Weight of positive
   # labels (None = 1):
   config.loss.pos_weight = ml_collections.config_dict.placeholder(float)

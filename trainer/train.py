@@ -14,6 +14,12 @@ everything else replicated. The loss is `cutbce.sharding.sharded_cut_bce`
 `cutbce.sharding.sharded_cut_softmax_ce` (`"softmax_ce"`; with
 `loss.backend="dense"` the dense-logits reference `cutbce.dense_softmax_ce`).
 
+With `config.loss.exclude="window"`, every position's negatives leave out the
+items of its own training window (`window_exclude`): the ids are passed to
+the op as `exclude` (targets stay targets), which costs a gather of E = N + L
+table rows per position (T x E x D values in the forward and the same in
+the backward's scatter), no pass over the catalog.
+
 Dropout keys are `fold_in(key(seed), step)`, so the state holds no random
 state and a resumed run draws exactly the masks of an uninterrupted one.
 """
@@ -124,6 +130,7 @@ class StepSettings(NamedTuple):
   focal_gamma: float | None = None
   focal_alpha: float | None = None
   one_pass: bool | None = None  # `cut_bce`'s one_pass (None: when the reduction allows)
+  exclude: str = "none"  # "window": each position's negatives leave out its window's items
 
 
 LOSS_VARIANTS = ("pos_weight", "label_smoothing", "logit_soft_cap", "focal_gamma",
@@ -143,28 +150,48 @@ def step_settings(config, *, mesh: Mesh, num_items: int) -> StepSettings:
       mesh=mesh, token_axes=tuple(config.mesh.token_axes), vocab_axis=config.mesh.vocab_axis,
       num_items=num_items, seed=config.seed, backend=loss.backend,
       vocab_reduction=loss.vocab_reduction, loss_kind=loss.kind,
-      target_reduction=loss.target_reduction, **loss_variants(loss))
+      target_reduction=loss.target_reduction, exclude=loss.get("exclude", "none"),
+      **loss_variants(loss))
+
+
+EXCLUDE_CHOICES = ("none", "window")
+
+
+def window_exclude(inputs, targets, num_items: int):
+  """int32 `[B, N, N + L]`: every item of a training window, for each of its positions.
+
+  A window's items are its inputs and the last position's targets (the inputs
+  shifted by one, plus the L - 1 items after the window); padding (inputs
+  equal to V, targets -1) becomes -1. Passed as `exclude`, the user's own
+  window items are neither positives nor negatives, except each position's
+  own targets, which stay targets (the op's contract).
+  """
+  inputs = jnp.where(inputs < num_items, inputs, -1)
+  items = jnp.concatenate([inputs, targets[:, -1, :]], axis=-1)  # [B, N + L]
+  return jnp.broadcast_to(items[:, None, :], (*inputs.shape, items.shape[-1]))
 
 
 def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings):
   model = nnx.merge(graphdef, params)
   hidden = model(batch["inputs"], deterministic=False, rngs=nnx.Rngs(dropout=dropout_key))
   table = model.item_table  # [V_padded, D]: rows past num_items split the table evenly
+  if settings.exclude not in EXCLUDE_CHOICES:
+    raise ValueError(f"loss.exclude={settings.exclude!r}; expected one of {EXCLUDE_CHOICES}")
+  exclude = None
+  if settings.exclude == "window":
+    exclude = window_exclude(batch["inputs"], batch["targets"], settings.num_items)
+  common = dict(mesh=settings.mesh, token_axes=settings.token_axes,
+                vocab_axis=settings.vocab_axis, bias=model.output_bias, exclude=exclude,
+                num_items=settings.num_items, return_stats=True, backend=settings.backend)
   if settings.loss_kind == "softmax_ce":
     return cutbce_sharding.sharded_cut_softmax_ce(
-        hidden, table, batch["targets"], batch["weights"], mesh=settings.mesh,
-        token_axes=settings.token_axes, vocab_axis=settings.vocab_axis,
-        bias=model.output_bias, num_items=settings.num_items,
+        hidden, table, batch["targets"], batch["weights"],
         label_smoothing=settings.label_smoothing, target_reduction=settings.target_reduction,
-        return_stats=True, backend=settings.backend)
-  loss, stats = cutbce_sharding.sharded_cut_bce(
-      hidden, table, batch["targets"], batch["weights"], mesh=settings.mesh,
-      token_axes=settings.token_axes, vocab_axis=settings.vocab_axis,
-      bias=model.output_bias, num_items=settings.num_items,
-      vocab_reduction=settings.vocab_reduction, return_stats=True, backend=settings.backend,
-      **{name: getattr(settings, name) for name in LOSS_VARIANTS},
-  )
-  return loss, stats
+        **common)
+  return cutbce_sharding.sharded_cut_bce(
+      hidden, table, batch["targets"], batch["weights"],
+      vocab_reduction=settings.vocab_reduction,
+      **{name: getattr(settings, name) for name in LOSS_VARIANTS}, **common)
 
 
 def train_step(state, batch, *, graphdef, tx, schedule, settings: StepSettings):

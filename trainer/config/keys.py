@@ -155,6 +155,9 @@ KEYS: tuple[schema.Key, ...] = (
     key("loss.vocab_reduction", STR, one_of("mean", "sum"), "l_t divided by V (mean) or not"),
     key("loss.target_reduction", STR, one_of("sum", "mean"), "softmax_ce: a position's "
         "terms over its distinct targets added (sum) or averaged (mean)"),
+    key("loss.exclude", STR, one_of("none", "window"), "'window': each position's negatives "
+        "leave out the items of its training window (passed as `exclude`; targets stay "
+        "targets); 'none': every item not a target is a negative"),
     key("loss.pos_weight", FLOAT, above(0), "weight of positive labels (None: 1)",
         none_ok=True),
     key("loss.label_smoothing", FLOAT, fraction(), "labels y (1 - e) + e / 2"),
