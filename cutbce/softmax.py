@@ -186,14 +186,37 @@ def local_backward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds
   get none of it); the targets' -(1 - e) g_t r_t is a sparse scatter.
   """
   g = scale.astype(jnp.float32)
-  coefficients_ = jnp.where(ids.target_mask, -(g * coeffs.target)[:, None], 0.0)
-  hidden_grad, table_grad, bias_grad = sparse.sparse_grads(
-      hidden, table, bias is not None, ids.target_ids, coefficients_)
+  columns = target_columns(call, hidden, table, bias, ids, coeffs, lse, g)
+  hidden_grad, table_grad, bias_grad = sparse.rest_grads(hidden, table, bias is not None, columns)
   offset = g * coeffs.uniform if call.label_smoothing else None
   dense_hidden_grad, table_grad, bias_grad = call.kernels.softmax_backward(
       hidden, table, bias, _exclude_or_none(ids), lse, g * coeffs.lse, table_grad, bias_grad,
-      offset, plan=call.plan, num_items=call.num_items, valid_rows=valid_rows)
+      offset, columns.fixed_ids, columns.fixed_values, plan=call.plan,
+      num_items=call.num_items, valid_rows=valid_rows)
   return hidden_grad + dense_hidden_grad, table_grad, bias_grad
+
+
+def target_columns(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds,
+                   coeffs: Coefficients, lse, g) -> sparse.SweepColumns:
+  """The targets' whole logit gradient, set in the backward sweep's tiles in float32.
+
+  G_tp = g_t (k_t p_tp - (1 - e) r_t - u_t), written k_t expm1(x_tp - lse_t)
+  + (k_t - (1 - e) r_t) - u_t: for one confident target (k = (1 - e) r = 1)
+  that is expm1(x - lse) = p - 1 to float32's relative precision, where
+  p - 1 from p ~ 1 - 1e-5 would lose most digits in float32 and all of
+  them once p is rounded to bfloat16 (`sparse.sweep_columns`). x_tp is the
+  target's own (gathered) logit.
+  """
+  x = sparse.gather_logits(hidden, table, bias, ids.target_ids)  # [T, L] f32
+  k = coeffs.lse[:, None]
+  values = (g[:, None] * (k * jnp.expm1(x - lse[:, None]) + (k - coeffs.target[:, None]))
+            - (g * coeffs.uniform)[:, None])
+  limit = getattr(call.kernels, "MAX_FIXED_COLUMNS", None)
+  corrections = None
+  if limit is not None and ids.target_ids.shape[-1] > limit:
+    # Past the limit: the target part only, the tile keeps k p - u there.
+    corrections = jnp.broadcast_to(-(g * coeffs.target)[:, None], x.shape)
+  return sparse.sweep_columns(ids.target_ids, ids.target_mask, values, corrections, limit)
 
 
 def _cast_grads(grads, hidden, table, bias):

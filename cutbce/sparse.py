@@ -97,9 +97,14 @@ def prepare_ids(targets: jax.Array, exclude: jax.Array | None, vocab: int) -> Sp
 def gather_logits(hidden, table, bias, ids):
   """x_tk = h_t . e_{ids_tk} (+ b): `[T, K]` float32 from `[T, D]`, `[V, D]`, `[T, K]`."""
   rows = jnp.take(table, ids, axis=0)  # [T, K, D]
-  logits = jnp.einsum(
-      "td,tkd->tk", hidden, rows, preferred_element_type=jnp.float32
-  )
+  # A broadcast product summed over D, not a batched dot: on a mesh with
+  # explicit axes `hidden` may be sharded over T while the gathered rows are
+  # not, and dot_general demands equal batch shardings (jax >= 0.11) where a
+  # broadcast takes the sharded side's. Both factors are cast to float32
+  # first, so every product (exact for bfloat16 inputs) and the sum over D
+  # are float32, as the dot with preferred_element_type=float32 was.
+  products = hidden.astype(jnp.float32)[:, None, :] * rows.astype(jnp.float32)  # [T, K, D]
+  logits = jnp.sum(products, axis=-1)
   if bias is not None:
     logits = logits + jnp.take(bias, ids, axis=0).astype(jnp.float32)
   return logits
@@ -152,13 +157,15 @@ def loss_correction(ids: SparseIds, logits: SparseLogits, options: LossOptions) 
 
 
 def excluded_above(ids: SparseIds, exclude_logits, target_logits) -> jax.Array:
-  """`[T, L]` int32 #{v in X_t : x_tv > target_logits[t, l]}, 0 without exclude.
+  """`[T, L]` int32 #{v in X_t : x_tv >= target_logits[t, l] or it is NaN}, 0 without exclude.
 
-  What a rank count over the whole catalog must give back for excluded ids.
+  What a rank count over the whole catalog must give back for excluded ids
+  (the tie rule of `rank_counts`: ties against the target, a NaN target last).
   """
   if ids.exclude_mask is None:
     return jnp.zeros(target_logits.shape, jnp.int32)
-  above = exclude_logits[:, :, None] > target_logits[:, None, :]  # [T, E, L]
+  above = ((exclude_logits[:, :, None] >= target_logits[:, None, :])
+           | jnp.isnan(target_logits)[:, None, :])  # [T, E, L]
   return jnp.sum(ids.exclude_mask[:, :, None] & above, axis=1, dtype=jnp.int32)
 
 
@@ -227,3 +234,82 @@ def sparse_grads(hidden, table, has_bias: bool, all_ids, coefficients):
   if has_bias:
     dbias = jnp.zeros(table.shape[:1], jnp.float32).at[all_ids].add(coefficients)
   return dh, dtable, dbias
+
+
+class SweepColumns(NamedTuple):
+  """The sparse ids' gradient, split between the dense sweep and the sparse scatter.
+
+  Attributes:
+    fixed_ids: [T, K'] int32 columns whose logit gradient the sweep sets
+      (-1 for none), K' <= the kernels' `MAX_FIXED_COLUMNS`; None when that is 0.
+    fixed_values: [T, K'] float32, the whole logit gradient there; or None.
+    rest_ids: [T, K - K'] int32 ids left to `sparse_grads`, or None.
+    rest_coefficients: [T, K - K'] float32, their corrections to the
+      sweep's background value (0 where masked), or None.
+  """
+
+  fixed_ids: jax.Array
+  fixed_values: jax.Array
+  rest_ids: jax.Array | None
+  rest_coefficients: jax.Array | None
+
+
+def sweep_columns(all_ids, mask, values, corrections, limit: int | None) -> SweepColumns:
+  """Gives the first `limit` of K sparse columns to the sweep (all of them when None).
+
+  Why: a column's exact gradient is often a tiny difference of numbers near 1
+  (plain BCE target: sigmoid(x) - 1; softmax target: p - 1). Computed from the
+  target's own logit in float32 and *set* in the tile before its cast to the
+  input dtype, it survives; as the tile's background value rounded to the
+  input dtype plus a separate float32 correction, it cancels to 0 in
+  bfloat16. Columns past `limit` (the Pallas kernels' unrolled compare) keep
+  the correction form: `corrections` are their differences to the background.
+
+  Args:
+    all_ids: [T, K] int32 ids (garbage where not `mask`).
+    mask: [T, K] bool, the valid deduplicated ids.
+    values: [T, K] float32 exact logit gradients at those ids.
+    corrections: [T, K] float32 corrections to the background, or None when
+      `limit` cannot be exceeded.
+    limit: the kernels' `MAX_FIXED_COLUMNS` (None: unlimited).
+  """
+  if limit == 0:
+    return SweepColumns(None, None, all_ids, jnp.where(mask, corrections, 0.0))
+  fixed_ids = jnp.where(mask, all_ids, -1)
+  fixed_values = jnp.where(mask, values, 0.0)
+  k = all_ids.shape[-1]
+  if limit is None or k <= limit:
+    return SweepColumns(fixed_ids, fixed_values, None, None)
+  rest = jnp.where(mask, corrections, 0.0)[:, limit:]
+  return SweepColumns(fixed_ids[:, :limit], fixed_values[:, :limit], all_ids[:, limit:], rest)
+
+
+def bce_columns(ids: SparseIds, logits: SparseLogits, scale: jax.Array, options: LossOptions,
+                limit: int | None) -> SweepColumns:
+  """`sweep_columns` of `cut_bce`: targets and excluded ids, with g_t = `scale`.
+
+  A target's column holds g_t (f'(x, 1) + B) (plain BCE: -g_t sigmoid(-x)),
+  an excluded id's g_t B, so that with the linear -B g_t that the caller adds
+  to every item's column (affine options, `tiled._finish_grads`) the
+  excluded id gets exactly 0 and the target exactly g_t f'(x, 1).
+  """
+  _, slope = options.affine_coefficients()
+  values = scale[:, None] * variants.target_column_grad(options, logits.target)
+  all_ids, mask = ids.target_ids, ids.target_mask
+  if ids.exclude_mask is not None:
+    excluded = jnp.broadcast_to((slope * scale)[:, None], ids.exclude_ids.shape)
+    values = jnp.concatenate([values, excluded], axis=-1)
+    all_ids = jnp.concatenate([all_ids, ids.exclude_ids], axis=-1)
+    mask = jnp.concatenate([mask, ids.exclude_mask], axis=-1)
+  corrections = None
+  if limit is not None and all_ids.shape[-1] > limit:
+    _, corrections = logit_cotangents(ids, logits, scale, options)
+  return sweep_columns(all_ids, mask, values, corrections, limit)
+
+
+def rest_grads(hidden, table, has_bias: bool, columns: SweepColumns):
+  """`sparse_grads` of the columns the sweep does not set; zeros when there are none."""
+  if columns.rest_ids is None:
+    return (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros(table.shape, jnp.float32),
+            jnp.zeros(table.shape[:1], jnp.float32) if has_bias else None)
+  return sparse_grads(hidden, table, has_bias, columns.rest_ids, columns.rest_coefficients)

@@ -115,11 +115,18 @@ def tiled_forward(call: TiledCall, hidden, table, bias, ids, counted_items=None)
 
 
 def _sparse_start(call: TiledCall, hidden, table, bias, ids, scale):
-  """Sparse logits and the sparse gradient parts the dense sweep adds to (f32)."""
+  """Sparse logits, the columns the sweep sets, and the sparse gradient parts it adds to (f32).
+
+  The targets' and excluded ids' gradients are set in the sweep's tiles in
+  float32 (`sparse.bce_columns`): exact in every dtype, no cancellation
+  against a background rounded to bfloat16. Only ids past the kernels'
+  `MAX_FIXED_COLUMNS` per position are sparse corrections.
+  """
   logits = sparse.sparse_logits(hidden, table, bias, ids)
-  all_ids, coefficients = sparse.logit_cotangents(ids, logits, scale, call.options)
-  grads = sparse.sparse_grads(hidden, table, bias is not None, all_ids, coefficients)
-  return logits, grads
+  columns = sparse.bce_columns(ids, logits, scale, call.options,
+                               getattr(call.kernels, "MAX_FIXED_COLUMNS", None))
+  grads = sparse.rest_grads(hidden, table, bias is not None, columns)
+  return logits, columns, grads
 
 
 def _finish_grads(call: TiledCall, hidden, table, scale, hidden_grad, table_grad, bias_grad):
@@ -149,9 +156,11 @@ def tiled_backward(call: TiledCall, hidden, table, bias, ids, scale):
     the input dtypes (a sharded caller sums them across devices first). Rows
     past `call.num_items` get exactly zero.
   """
-  _, (hidden_grad, table_grad, bias_grad) = _sparse_start(call, hidden, table, bias, ids, scale)
+  _, columns, (hidden_grad, table_grad, bias_grad) = _sparse_start(
+      call, hidden, table, bias, ids, scale)
   dense_hidden_grad, table_grad, bias_grad = call.kernels.backward(
-      hidden, table, bias, _dense_scale(call, scale), table_grad, bias_grad, plan=call.plan,
+      hidden, table, bias, _dense_scale(call, scale), table_grad, bias_grad,
+      columns.fixed_ids, columns.fixed_values, plan=call.plan,
       options=call.options, num_items=call.num_items,
   )
   return _finish_grads(call, hidden, table, scale, hidden_grad + dense_hidden_grad,
@@ -164,12 +173,12 @@ def tiled_forward_backward(call: TiledCall, hidden, table, bias, ids, scale, cou
   Returns:
     (`[T]` l_t, counts or None, (dh, dE, db) float32 gradients of sum_t scale_t l_t).
   """
-  logits, (hidden_grad, table_grad, bias_grad) = _sparse_start(
+  logits, columns, (hidden_grad, table_grad, bias_grad) = _sparse_start(
       call, hidden, table, bias, ids, scale)
   dense_sum, positive_count, dense_hidden_grad, table_grad, bias_grad = (
       call.kernels.forward_backward(
           hidden, table, bias, _dense_scale(call, scale), table_grad, bias_grad,
-          plan=call.plan, with_counts=call.with_counts, options=call.options,
+          columns.fixed_ids, columns.fixed_values, plan=call.plan, with_counts=call.with_counts, options=call.options,
           num_items=call.num_items,
       ))
   per_token, counts = _finish_loss(call, dense_sum, positive_count, hidden, table, bias, ids,

@@ -208,6 +208,22 @@ def target_value_and_grad(options: LossOptions, x):
   )
 
 
+def target_column_grad(options: LossOptions, x):
+  """f'(x, 1) + B: the whole logit gradient at a target, less the linear -B added outside.
+
+  What a backward sweep sets in a target's column (in float32, before the
+  tile is cast to the input dtype), where the tile alone holds A f'_tile(x)
+  = A sigmoid(x) (affine options) or f'(x, 0). Computed directly from the
+  target's own logit, never as the background's sigmoid(x) plus a correction
+  of -1 that cancel: for plain BCE it is -sigmoid(-x), accurate at every x
+  (sigmoid(7) = 0.99909 is 1.0 in bfloat16, and 1.0 - 1 = 0).
+  """
+  if options.is_plain:
+    return -jax.nn.sigmoid(-x)
+  _, slope = options.affine_coefficients()
+  return _value_and_derivative(lambda z: elementwise_loss(options, z, 1) + slope * z, x)[1]
+
+
 def make_options(*, pos_weight=None, label_smoothing=0.0, logit_soft_cap=None,
                  focal_gamma=None, focal_alpha=None) -> LossOptions:
   """`LossOptions` from the public keyword arguments (validated; floats normalized)."""

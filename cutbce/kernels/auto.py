@@ -18,6 +18,8 @@ from jax import lax
 from cutbce.kernels import tpu, xla
 
 unsupported_reason = tpu.unsupported_reason
+# The TPU branch's limit (the XLA branch takes any number).
+MAX_FIXED_COLUMNS = tpu.MAX_FIXED_COLUMNS
 
 
 def _choose(name: str, *operands, **static):
@@ -37,6 +39,7 @@ def _choose(name: str, *operands, **static):
 forward = functools.partial(_choose, "forward")
 backward = functools.partial(_choose, "backward")
 rank_counts = functools.partial(_choose, "rank_counts")
+rank_logits = functools.partial(_choose, "rank_logits")
 forward_backward = functools.partial(_choose, "forward_backward")
 softmax_forward = functools.partial(_choose, "softmax_forward")
 softmax_backward = functools.partial(_choose, "softmax_backward")

@@ -478,7 +478,7 @@ def _forward(hidden, table, bias, *, plan, with_counts, options, num_items, inte
 
 def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
                      options: LossOptions, with_loss: bool, with_counts: bool,
-                     softmax: "_Softmax | None" = None):
+                     softmax: "_Softmax | None" = None, num_fixed: int = 0):
   refs = list(refs)
   hidden_ref = refs.pop(0)  # [chunk, D]
   scale_ref = refs.pop(0)  # [chunk, 1] f32, g_t
@@ -487,6 +487,9 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
   offset_ref = refs.pop(0) if softmax and softmax.offset else None  # [chunk, 1] f32
   exclude_ref = refs.pop(0) if softmax and softmax.num_exclude else None  # [chunk, E] int32
   valid_rows_ref = refs.pop(0) if softmax and softmax.valid_rows else None  # [1, 1] int32
+  # The fixed columns (see xla.py): ids and the f32 logit gradient set there.
+  fixed_ids_ref = refs.pop(0) if num_fixed else None  # [chunk, K] int32, -1 for none
+  fixed_values_ref = refs.pop(0) if num_fixed else None  # [chunk, K] f32
   table_ref = refs.pop(0)  # [block_v, D]
   bias_ref = refs.pop(0) if has_bias else None  # [1, block_v] f32
   table_grad_in_ref = refs.pop(0)  # [block_v, D] f32, the given (sparse) part
@@ -558,6 +561,16 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
     grad = derivative if softmax else scale * derivative  # [block_t, block_v] f32
     if valid is not None and not softmax:
       grad = jnp.where(valid, grad, 0.0)
+    if num_fixed:
+      # Set in f32, before the cast for the MXU: exact targets' terms.
+      columns = _column_ids(vocab_index, geom)  # [1, block_v]
+      fixed_ids = fixed_ids_ref[rows, :]  # [block_t, K]
+      fixed_values = fixed_values_ref[rows, :]  # [block_t, K]
+      if valid_rows is not None:
+        fixed_ids = jnp.where(row_ok, fixed_ids, -1)
+        fixed_values = jnp.where(row_ok, fixed_values, 0.0)
+      for k in range(num_fixed):  # K is small and static: unrolled
+        grad = jnp.where(columns == fixed_ids[:, k:k + 1], fixed_values[:, k:k + 1], grad)
     grad_mxu = grad.astype(compute_dtype)
     hidden_grad_ref[rows, :] += lax.dot(
         grad_mxu, table, preferred_element_type=jnp.float32
@@ -578,28 +591,31 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
 
 
 @functools.partial(jax.named_call, name="cutbce_tpu_backward")
-def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePlan | None,
+def backward(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids=None,
+             fixed_values=None, *, plan: TilePlan | None,
              options: LossOptions = variants.PLAIN, num_items: int | None = None):
   """dh `[T, D]` f32; `table_grad` (+ dense part) `[V, D]` f32; `bias_grad` `[V]` or None."""
-  _, _, *grads = _run(_backward, hidden, table, bias, scale, table_grad, bias_grad, plan=plan,
+  _, _, *grads = _run(_backward, hidden, table, bias, scale, table_grad, bias_grad,
+                      None, None, None, None, fixed_ids, fixed_values, plan=plan,
                       options=options, num_items=num_items, with_loss=False, with_counts=False)
   return tuple(grads)
 
 
 @functools.partial(jax.named_call, name="cutbce_tpu_forward_backward")
-def forward_backward(hidden, table, bias, scale, table_grad, bias_grad, *,
-                     plan: TilePlan | None, with_counts: bool,
+def forward_backward(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids=None,
+                     fixed_values=None, *, plan: TilePlan | None, with_counts: bool,
                      options: LossOptions = variants.PLAIN, num_items: int | None = None):
   """The backward kernel that also sums phi and counts x > 0: one pass, 3 matmuls per tile.
 
   Returns (dense_sum [T] f32, positive_count [T] int32 or None, dh, table_grad, bias_grad).
   """
-  return _run(_backward, hidden, table, bias, scale, table_grad, bias_grad, plan=plan,
+  return _run(_backward, hidden, table, bias, scale, table_grad, bias_grad,
+              None, None, None, None, fixed_ids, fixed_values, plan=plan,
               options=options, num_items=num_items, with_loss=True, with_counts=with_counts)
 
 
 def _backward(hidden, table, bias, scale, table_grad, bias_grad, log_z=None, offset=None,
-              exclude_ids=None, valid_rows=None, *, plan, options, num_items, with_loss, with_counts, interpret,
+              exclude_ids=None, valid_rows=None, fixed_ids=None, fixed_values=None, *, plan, options, num_items, with_loss, with_counts, interpret,
               softmax=None):
   _check_supported(hidden, table, plan)
   hidden, table = _common_dtype(hidden, table)
@@ -619,6 +635,7 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, log_z=None, off
   alias = not (interpret is not False and vocab % geom.block_v)
   walked_rows = geom.num_vocab_tiles * geom.block_v  # rows past it: never visited
   given_table_grad, given_bias_grad = table_grad, bias_grad_row
+  num_fixed = 0 if fixed_ids is None else fixed_ids.shape[1]
   hidden_grads, dense_sums, positive_counts = [], [], []
 
   for chunk in range(geom.num_chunks):  # the outer loop over token chunks
@@ -640,6 +657,9 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, log_z=None, off
       in_specs[2 + len(vectors):2 + len(vectors)] = softmax_specs
       operands += [v.astype(jnp.float32).reshape(num_tokens, 1) for v in vectors]
       operands += softmax_operands
+    if num_fixed:
+      in_specs[-1:-1] = [pl.BlockSpec((geom.chunk, num_fixed), hidden_index_map)] * 2
+      operands += [fixed_ids.astype(jnp.int32), fixed_values.astype(jnp.float32)]
     operands.append(table)
     if has_bias:
       in_specs.append(pl.BlockSpec((1, geom.block_v), bias_index_map))
@@ -674,6 +694,7 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, log_z=None, off
         functools.partial(
             _backward_kernel, geom=geom, rows_in_chunk=rows_in_chunk, has_bias=has_bias,
             options=options, with_loss=with_loss, with_counts=with_counts, softmax=softmax,
+            num_fixed=num_fixed,
         ),
         grid=(geom.num_vocab_tiles,),
         in_specs=in_specs,
@@ -747,9 +768,10 @@ def _rank_kernel(*refs, geom: _Geometry, has_bias: bool, num_targets: int,
     target_ids = target_ids_ref[rows, :]  # [block_t, L]
     counts = jnp.zeros((geom.block_t, num_targets), jnp.float32)
     for target in range(num_targets):  # L is small and static: unrolled
-      # A target's own column is left out (as in the XLA path), so its rank
-      # does not depend on the tile and the gather rounding x_tp alike.
-      larger = (logits > target_logits[:, target:target + 1]) & (
+      # Ties count against the target (its own column left out); a NaN
+      # target ranks after every item, a NaN item after every number.
+      target_logit = target_logits[:, target:target + 1]  # [block_t, 1]
+      larger = ((logits >= target_logit) | (target_logit != target_logit)) & (
           column_ids != target_ids[:, target:target + 1]
       )  # [block_t, block_v]
       if valid is not None:
@@ -761,28 +783,108 @@ def _rank_kernel(*refs, geom: _Geometry, has_bias: bool, num_targets: int,
   _for_each_subtile(geom.num_subtiles, accumulate)
 
 
+def _rank_logits_kernel(*refs, geom: _Geometry, has_bias: bool, num_ids: int,
+                        options: LossOptions):
+  refs = list(refs)
+  hidden_ref = refs.pop(0)  # [chunk, D]
+  table_ref = refs.pop(0)  # [block_v, D]
+  bias_ref = refs.pop(0) if has_bias else None  # [1, block_v] f32
+  ids_ref = refs.pop(0)  # [chunk, K] int32
+  found_ref = refs.pop(0)  # [chunk, K] f32, resident along the vocab axis
+  vocab_index = pl.program_id(1)
+
+  @pl.when(vocab_index == 0)
+  def init():
+    found_ref[...] = jnp.zeros_like(found_ref)
+
+  table = _table_tile(table_ref, vocab_index, geom)
+  column_ids = _column_ids(vocab_index, geom)  # [1, block_v]
+  lanes = lax.broadcasted_iota(jnp.int32, (1, num_ids), 1)
+
+  def accumulate(subtile):
+    rows = _row_slice(subtile, geom)
+    # The very dot `_rank_kernel` makes, so a twin's logit and the target's agree.
+    logits = variants.cap(options, _tile_logits(hidden_ref[rows, :], table, bias_ref))
+    ids = ids_ref[rows, :]  # [block_t, K]
+    found = jnp.zeros((geom.block_t, num_ids), jnp.float32)
+    for column in range(num_ids):  # unrolled
+      # One column matches at most: x + 0 + ... = x exactly (a NaN stays NaN).
+      own = column_ids == ids[:, column:column + 1]  # [block_t, block_v]
+      value = jnp.sum(jnp.where(own, logits, 0.0), axis=1, keepdims=True)  # [block_t, 1]
+      found = jnp.where(lanes == column, value, found)
+    found_ref[rows, :] += found
+
+  _for_each_subtile(geom.num_subtiles, accumulate)
+
+
+@functools.partial(jax.named_call, name="cutbce_tpu_rank_logits")
+def rank_logits(hidden, table, bias, ids, *, plan: TilePlan | None, num_targets: int,
+                options: LossOptions = variants.PLAIN, num_items: int | None = None):
+  """`[T, K]` f32 cap(x_{t, ids[t, k]}) from `rank_counts`' own tiles (0 for other ids)."""
+  plan_targets = min(num_targets, MAX_RANK_TARGETS)
+  groups = [
+      _run(_rank_logits, hidden, table, bias, ids[:, start:start + MAX_RANK_TARGETS],
+           plan=plan, options=options, num_items=num_items, plan_targets=plan_targets)
+      for start in range(0, ids.shape[1], MAX_RANK_TARGETS)
+  ]
+  return groups[0] if len(groups) == 1 else jnp.concatenate(groups, axis=1)
+
+
+def _rank_logits(hidden, table, bias, ids, *, plan, options, num_items, plan_targets, interpret):
+  _check_supported(hidden, table, plan)
+  hidden, table = _common_dtype(hidden, table)
+  num_tokens, dim = hidden.shape
+  num_ids = ids.shape[1]
+  geom = _geometry(plan, hidden, table, "ranks", plan_targets, num_items=num_items)
+  has_bias = bias is not None
+  in_specs, operands = _token_by_vocab_inputs(geom, hidden, table, bias)
+  ids_spec = pl.BlockSpec((geom.chunk, num_ids), _token_index_map)
+  in_specs += [ids_spec]
+  operands += [ids.astype(jnp.int32)]
+  return pl.pallas_call(
+      functools.partial(_rank_logits_kernel, geom=geom, has_bias=has_bias, num_ids=num_ids,
+                        options=options),
+      grid=(geom.num_chunks, geom.num_vocab_tiles),
+      in_specs=in_specs,
+      out_specs=ids_spec,
+      out_shape=jax.ShapeDtypeStruct((num_tokens, num_ids), jnp.float32),
+      compiler_params=_compiler_params(geom, (pltpu.PARALLEL, pltpu.ARBITRARY)),
+      cost_estimate=pl.CostEstimate(
+          flops=2 * num_tokens * geom.vocab * dim,
+          transcendentals=0,
+          bytes_accessed=geom.num_chunks * table.size * table.dtype.itemsize
+          + hidden.size * hidden.dtype.itemsize,
+      ),
+      interpret=interpret,
+      name=f"cutbce_rank_logits_bt{geom.block_t}_bv{geom.block_v}_chunk{geom.chunk}",
+  )(*operands)
+
+
 @functools.partial(jax.named_call, name="cutbce_tpu_rank_counts")
 def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePlan | None,
                 options: LossOptions = variants.PLAIN, num_items: int | None = None):
-  """`[T, L]` int32 #{v != target_ids[t, l] : cap(x_tv) > target_logits[t, l]}."""
+  """`[T, L]` int32 #{v != target_ids[t, l] : cap(x_tv) >= target_logits[t, l] or it is NaN}."""
   num_targets = target_logits.shape[1]
+  # Every group's tiles as `rank_logits` planned them.
+  plan_targets = min(num_targets, MAX_RANK_TARGETS)
   # Groups of at most MAX_RANK_TARGETS targets, one kernel call each.
   groups = [
       _run(_rank_counts, hidden, table, bias, target_logits[:, start:start + MAX_RANK_TARGETS],
            target_ids[:, start:start + MAX_RANK_TARGETS], plan=plan, options=options,
-           num_items=num_items)
+           num_items=num_items, plan_targets=plan_targets)
       for start in range(0, num_targets, MAX_RANK_TARGETS)
   ]
   return groups[0] if len(groups) == 1 else jnp.concatenate(groups, axis=1)
 
 
 def _rank_counts(hidden, table, bias, target_logits, target_ids, *, plan, options, num_items,
-                 interpret):
+                 interpret, plan_targets=None):
   _check_supported(hidden, table, plan)
   hidden, table = _common_dtype(hidden, table)
   num_tokens, dim = hidden.shape
   num_targets = target_logits.shape[1]
-  geom = _geometry(plan, hidden, table, "ranks", num_targets, num_items=num_items)
+  geom = _geometry(plan, hidden, table, "ranks", plan_targets or num_targets,
+                   num_items=num_items)
   has_bias = bias is not None
   in_specs, operands = _token_by_vocab_inputs(geom, hidden, table, bias)
   target_spec = pl.BlockSpec((geom.chunk, num_targets), _token_index_map)
@@ -820,6 +922,9 @@ SOFTMAX_EXTRA_TILES = 2
 # Excluded ids per token the kernels compare in one tile (unrolled); wider rows
 # take the XLA path.
 MAX_SOFTMAX_EXCLUDE = 128
+# Fixed columns per token the backward sets in f32 (compared per tile,
+# unrolled; see xla.py). Ids past it stay sparse corrections (`sparse.sweep_columns`).
+MAX_FIXED_COLUMNS = 64
 
 
 class _Softmax(NamedTuple):
@@ -960,11 +1065,12 @@ def _softmax_forward(hidden, table, bias, exclude_ids, valid_rows, *, plan, with
 
 @functools.partial(jax.named_call, name="cutbce_tpu_softmax_backward")
 def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad, bias_grad,
-                     offset=None, *, plan: TilePlan | None, num_items: int | None = None,
-                     valid_rows=None):
+                     offset=None, fixed_ids=None, fixed_values=None, *,
+                     plan: TilePlan | None, num_items: int | None = None, valid_rows=None):
   """dh `[T, D]` f32 and the dense parts added to `table_grad`, `bias_grad` (see xla.py)."""
   softmax = _softmax_static(exclude_ids, valid_rows)._replace(offset=offset is not None)
   _, _, *grads = _run(_backward, hidden, table, bias, scale, table_grad, bias_grad, log_z,
-                      offset, exclude_ids, valid_rows, plan=plan, options=variants.PLAIN,
+                      offset, exclude_ids, valid_rows, fixed_ids, fixed_values, plan=plan,
+                      options=variants.PLAIN,
                       num_items=num_items, with_loss=False, with_counts=False, softmax=softmax)
   return tuple(grads)

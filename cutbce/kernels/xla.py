@@ -16,18 +16,37 @@ phi = `variants.tile_value(options, .)` the per-logit term a tile sums
   forward(hidden, table, bias, *, plan, with_counts, options, num_items)
       -> (dense_sum [T] f32, positive_count [T] int32 or None)
       sum_v phi(x_tv), and #{v : x_tv > 0} when `with_counts`.
-  backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, num_items)
+  backward(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids=None,
+           fixed_values=None, *, plan, options, num_items)
       -> (dh [T, D] f32, table_grad [V, D] f32, bias_grad [V] f32 or None)
-      dh = sum_v g_t phi'(x_tv) e_v; adds sum_t g_t phi'(x_tv) h_t to
-      `table_grad` (and sum_t g_t phi'(x_tv) to `bias_grad`), g = `scale` [T].
-  forward_backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan,
-                   with_counts, options, num_items)
+      dh = sum_v G_tv e_v; adds sum_t G_tv h_t to `table_grad` (and
+      sum_t G_tv to `bias_grad`), with G_tv = g_t phi'(x_tv), g = `scale` [T],
+      except at the fixed columns (below).
+  forward_backward(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids=None,
+                   fixed_values=None, *, plan, with_counts, options, num_items)
       -> (dense_sum, positive_count or None, dh, table_grad, bias_grad)
       forward and backward in one sweep, 3 GEMMs per tile: for callers that
       know g_t at forward time (reductions "mean" and "sum").
+
+  Fixed columns (`fixed_ids` int32 [T, K], -1 or any id out of range for
+  none, and `fixed_values` float32 [T, K], both or neither): the logit
+  gradient is *set*, G_{t, fixed_ids[t, k]} = fixed_values[t, k], in float32
+  before the tile is cast to the input dtype for its two GEMMs. The callers
+  put the targets' (and excluded ids') exact terms there, e.g. sigmoid(x) - 1
+  = -sigmoid(-x) for a plain BCE target: held in bfloat16, sigmoid(7) is 1 and
+  a separate f32 correction of -1 would leave 0 (`cutbce/tiled.py`). The
+  Pallas kernels compare each column with K ids (unrolled), so they take at
+  most `MAX_FIXED_COLUMNS` of them; here K is unlimited (None).
+  rank_logits(hidden, table, bias, ids, *, plan, num_targets, options, num_items)
+      -> [T, K] f32: cap(x_{t, ids[t, k]}) for ids in [0, num_items), 0 for
+      others, computed by the very tile computation `rank_counts` makes (the
+      plan `rank_counts` makes for L = num_targets), so that a target and an
+      item with an identical embedding get the same float.
   rank_counts(hidden, table, bias, target_logits, target_ids, *, plan, options, num_items)
-      -> [T, L] int32: #{v != target_ids[t, l] : cap(x_tv) > target_logits[t, l]},
-      with cap = `variants.cap(options, .)` (the identity without a soft cap).
+      -> [T, L] int32: #{v != target_ids[t, l] : cap(x_tv) >= target_logits[t, l]
+      or target_logits[t, l] is NaN}, with cap = `variants.cap(options, .)`
+      (the identity without a soft cap): ties count against the target, a
+      NaN target ranks after every item, a NaN item after every number.
   default_plan(kernel, num_tokens, vocab, dim, dtype, num_targets=1) -> TilePlan
 """
 
@@ -42,6 +61,9 @@ from jax import lax
 from cutbce import variants
 from cutbce.kernels.tiling import TilePlan, default_xla_block_v
 from cutbce.variants import LossOptions, softplus  # noqa: F401  (softplus: re-exported)
+
+# Fixed columns per token a sweep takes (None: any number; see the contract).
+MAX_FIXED_COLUMNS = None
 
 
 def tile_logits(hidden, table_tile, bias_tile):
@@ -98,6 +120,20 @@ def slice_rows(array, start, size):
   return lax.dynamic_slice_in_dim(array, start, size, axis=0)
 
 
+def set_columns(logit_grad, fixed_ids, fixed_values, start, size: int):
+  """`logit_grad` [T, size] with column fixed_ids[t, k] - start of row t set to fixed_values[t, k].
+
+  Ids outside [start, start + size) (other tiles, -1) are dropped. Float32 in
+  and out: the callers cast afterwards.
+  """
+  if fixed_ids is None:
+    return logit_grad
+  local = fixed_ids - start  # [T, K]
+  local = jnp.where((local >= 0) & (local < size), local, size)  # out of tile: dropped
+  rows = jnp.arange(logit_grad.shape[0], dtype=jnp.int32)[:, None]
+  return logit_grad.at[rows, local].set(fixed_values.astype(logit_grad.dtype), mode="drop")
+
+
 def _update_rows(array, update, start):
   if isinstance(start, int):
     start = jnp.int32(start)
@@ -137,24 +173,27 @@ def forward(hidden, table, bias, *, plan: TilePlan | None, with_counts: bool,
 
 
 @functools.partial(jax.named_call, name="cutbce_xla_backward")
-def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePlan | None,
+def backward(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids=None,
+             fixed_values=None, *, plan: TilePlan | None,
              options: LossOptions = variants.PLAIN, num_items: int | None = None):
-  _, _, *grads = _sweep(hidden, table, bias, scale, table_grad, bias_grad, plan=plan,
+  _, _, *grads = _sweep(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids,
+                        fixed_values, plan=plan,
                         options=options, num_items=num_items, with_loss=False,
                         with_counts=False)
   return tuple(grads)
 
 
 @functools.partial(jax.named_call, name="cutbce_xla_forward_backward")
-def forward_backward(hidden, table, bias, scale, table_grad, bias_grad, *,
-                     plan: TilePlan | None, with_counts: bool,
+def forward_backward(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids=None,
+                     fixed_values=None, *, plan: TilePlan | None, with_counts: bool,
                      options: LossOptions = variants.PLAIN, num_items: int | None = None):
-  return _sweep(hidden, table, bias, scale, table_grad, bias_grad, plan=plan,
+  return _sweep(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids, fixed_values,
+                plan=plan,
                 options=options, num_items=num_items, with_loss=True, with_counts=with_counts)
 
 
-def _sweep(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, num_items,
-           with_loss: bool, with_counts: bool):
+def _sweep(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids, fixed_values, *,
+           plan, options, num_items, with_loss: bool, with_counts: bool):
   """The backward walk (3 GEMMs per tile), and with `with_loss` the forward's sums too.
 
   Returns (dense_sum or None, positive_count or None, dh, table_grad, bias_grad).
@@ -179,6 +218,8 @@ def _sweep(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, 
     else:
       grad = variants.tile_grad(options, logits)
     logit_grad = scale[:, None] * grad  # [T, block_v] f32
+    # Exact terms at the fixed columns, in f32 before the cast.
+    logit_grad = set_columns(logit_grad, fixed_ids, fixed_values, start, size)
     logit_grad_c = logit_grad.astype(compute_dtype)
     hidden_grad = hidden_grad + lax.dot_general(
         logit_grad_c, table_tile, (((1,), (0,)), ((), ())),
@@ -207,26 +248,72 @@ def _sweep(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, 
   return walk_tiles(num_items, plan.block_v, step, init, (table, bias))
 
 
+def _walk_rank_tiles(num_items: int, block_v: int, step, carry, rows):
+  """`walk_tiles` for the rank kernels, every tile the same width.
+
+  A ragged end is walked as one full-width tile ending at `num_items` (it
+  overlaps the last scanned tile; `step` gets `fresh`, the first column id it
+  may count). So every logit, the targets' and their twins', comes out of
+  the same `[T, block_v]` dot and rounds alike: exact ties stay exact.
+  `step(carry, rows, start, size, fresh)`.
+  """
+  block_v = min(block_v, num_items)
+  num_full = num_items // block_v
+  carry = walk_tiles(num_full * block_v, block_v,
+                     lambda c, r, start, size: step(c, r, start, size, start), carry, rows)
+  if num_full * block_v < num_items:
+    carry = step(carry, rows, num_items - block_v, block_v, num_full * block_v)
+  return carry
+
+
+def _rank_tile(options, hidden, rows, start, size):
+  """(`[T, size]` capped f32 logits, `[size]` int32 item ids) of one rank tile."""
+  table, bias = rows
+  logits = variants.cap(options, tile_logits(
+      hidden, slice_rows(table, start, size), slice_rows(bias, start, size)
+  ))  # [T, block_v]
+  return logits, start + jnp.arange(size, dtype=jnp.int32)
+
+
+def _rank_plan(plan, hidden, num_items, num_targets):
+  return _plan(plan, "ranks", hidden, num_items, num_targets)
+
+
+@functools.partial(jax.named_call, name="cutbce_xla_rank_logits")
+def rank_logits(hidden, table, bias, ids, *, plan: TilePlan | None, num_targets: int,
+                options: LossOptions = variants.PLAIN, num_items: int | None = None):
+  num_items = table.shape[0] if num_items is None else num_items
+  plan = _rank_plan(plan, hidden, num_items, num_targets)
+
+  def step(found, rows, start, size, fresh):
+    logits, _ = _rank_tile(options, hidden, rows, start, size)
+    local = ids - start  # [T, K]
+    inside = (ids >= fresh) & (local < size)
+    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, size - 1), axis=1)  # [T, K]
+    return jnp.where(inside, picked, found)
+
+  init = jnp.zeros(ids.shape, jnp.float32)
+  return _walk_rank_tiles(num_items, plan.block_v, step, init, (table, bias))
+
+
 @functools.partial(jax.named_call, name="cutbce_xla_rank_counts")
 def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePlan | None,
                 options: LossOptions = variants.PLAIN, num_items: int | None = None):
   num_items = table.shape[0] if num_items is None else num_items
-  plan = _plan(plan, "ranks", hidden, num_items, target_logits.shape[1])
+  plan = _rank_plan(plan, hidden, num_items, target_logits.shape[1])
+  # A NaN target is ranked after every item (x >= NaN is False for all x).
+  nan_target = jnp.isnan(target_logits)[:, None, :]  # [T, 1, L]
 
-  def step(counts, rows, start, size):
-    table, bias = rows
-    logits = variants.cap(options, tile_logits(
-        hidden, slice_rows(table, start, size), slice_rows(bias, start, size)
-    ))  # [T, block_v]
-    item_ids = start + jnp.arange(size, dtype=jnp.int32)  # [block_v]
-    larger = logits[:, :, None] > target_logits[:, None, :]  # [T, block_v, L]
-    # A target's own column is left out, so its rank does not depend on
-    # whether the tile's GEMM and the sparse gather round x_tp alike.
-    other = item_ids[None, :, None] != target_ids[:, None, :]
-    return counts + jnp.sum(larger & other, axis=1, dtype=jnp.int32)
+  def step(counts, rows, start, size, fresh):
+    logits, item_ids = _rank_tile(options, hidden, rows, start, size)
+    # Ties count against the target; a NaN item never ranks above a number.
+    above = (logits[:, :, None] >= target_logits[:, None, :]) | nan_target  # [T, block_v, L]
+    # A target's own column is left out.
+    other = (item_ids[None, :, None] != target_ids[:, None, :]) & (item_ids >= fresh)[None, :, None]
+    return counts + jnp.sum(above & other, axis=1, dtype=jnp.int32)
 
   init = jnp.zeros(target_logits.shape, jnp.int32)
-  return walk_tiles(num_items, plan.block_v, step, init, (table, bias))
+  return _walk_rank_tiles(num_items, plan.block_v, step, init, (table, bias))
 
 
 def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
@@ -254,10 +341,12 @@ def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
 #       over rows < num_items, < valid_rows (excluded ids included: the
 #       caller's sparse counts take them off, as for BCE).
 #   softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad,
-#                    bias_grad, offset=None, *, plan, num_items, valid_rows=None)
+#                    bias_grad, offset=None, fixed_ids=None, fixed_values=None, *,
+#                    plan, num_items, valid_rows=None)
 #       -> (dh [T, D] f32, table_grad, bias_grad)
 #       with G_tv = g_t p_tv - o_t, p_tv = exp(x_tv - log_z_t), on those items
-#       (0 elsewhere), g = `scale`, o = `offset` (0 when None):
+#       (0 elsewhere), g = `scale`, o = `offset` (0 when None), except at the
+#       fixed columns, set as in `backward` (the targets: p - 1 = expm1(x - lse)):
 #       dh = sum_v G_tv e_v; adds sum_t G_tv h_t to table_grad rows (and
 #       sum_t G_tv to bias_grad).
 #
@@ -317,8 +406,8 @@ def softmax_forward(hidden, table, bias, exclude_ids, *, plan: TilePlan | None,
 
 @functools.partial(jax.named_call, name="cutbce_xla_softmax_backward")
 def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad, bias_grad,
-                     offset=None, *, plan: TilePlan | None, num_items: int | None = None,
-                     valid_rows=None):
+                     offset=None, fixed_ids=None, fixed_values=None, *,
+                     plan: TilePlan | None, num_items: int | None = None, valid_rows=None):
   compute_dtype = jnp.result_type(hidden.dtype, table.dtype)
   num_tokens = hidden.shape[0]
   num_items = table.shape[0] if num_items is None else num_items
@@ -336,6 +425,7 @@ def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad,
     if offset is not None:
       uniform = jnp.broadcast_to(offset[:, None], logit_grad.shape)
       logit_grad = logit_grad - (uniform if masked is None else jnp.where(masked, 0.0, uniform))
+    logit_grad = set_columns(logit_grad, fixed_ids, fixed_values, start, size)
     logit_grad_c = logit_grad.astype(compute_dtype)
     hidden_grad = hidden_grad + lax.dot_general(
         logit_grad_c, table_tile, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)

@@ -1,7 +1,7 @@
 """Kernel set of `backend="pallas_gpu"`: fused Pallas GPU (Triton) kernels.
 
 Honours the backend contract written in `cutbce/kernels/xla.py` (forward,
-backward, forward_backward, rank_counts, softmax_forward, softmax_backward,
+backward, forward_backward, rank_logits, rank_counts, softmax_forward, softmax_backward,
 default_plan, unsupported_reason).
 `kernels` holds the Pallas kernels, `plan` the tile planner (from the
 device's description), `targets` the NVIDIA target configs they are compiled
@@ -12,6 +12,7 @@ Design and compiled memory: docs/kernels.md.
 """
 
 from cutbce.kernels.gpu.kernels import (  # noqa: F401
+    MAX_FIXED_COLUMNS,
     MAX_SOFTMAX_EXCLUDE,
     SUPPORTED_DTYPES,
     backward,
@@ -20,6 +21,7 @@ from cutbce.kernels.gpu.kernels import (  # noqa: F401
     forward_backward,
     plan_problem,
     rank_counts,
+    rank_logits,
     softmax_backward,
     softmax_forward,
     unsupported_reason,

