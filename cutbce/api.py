@@ -151,13 +151,37 @@ def options_kwargs(options: LossOptions) -> dict:
   return {name: getattr(options, name) for name in variants.OPTION_NAMES}
 
 
+def rank_logits(kernels, hidden, table, bias, ids: sparse.SparseIds, *, plan, options,
+                num_items):
+  """(`[T, L]` target, `[T, E]` excluded or None) capped logits from the rank tiles.
+
+  Computed by `kernels.rank_logits`, the same tile computation that
+  `kernels.rank_counts` compares with, so that exact ties stay exact. Ids not
+  in their mask come back 0.
+  """
+  num_targets = ids.target_ids.shape[-1]
+  wanted = jnp.where(ids.target_mask, ids.target_ids, -1)
+  if ids.exclude_ids is not None:
+    wanted = jnp.concatenate([wanted, jnp.where(ids.exclude_mask, ids.exclude_ids, -1)], axis=1)
+  picked = kernels.rank_logits(hidden, table, bias, wanted, plan=plan, num_targets=num_targets,
+                               options=options, num_items=num_items)  # [T, L + E]
+  if ids.exclude_ids is None:
+    return picked, None
+  return picked[:, :num_targets], picked[:, num_targets:]
+
+
 def target_ranks(hidden, table, targets, *, bias=None, exclude=None, backend="auto", plan=None,
                  num_items=None, logit_soft_cap=None):
   """1-based rank of each target among all non-excluded items, in one tiled pass.
 
-  rank_tl = 1 + #{v not in X_t : x_tv > x_{t, targets_tl}}: ties are resolved
-  in the target's favour, other targets count like any item. No top-k and no
-  `[T, V]` array.
+  rank_tl = 1 + #{v not in X_t, v != p : x_tv >= x_tp} with p = targets_tl:
+  ties count against the target (a constant model ranks every target last,
+  never first), other targets count like any item, a NaN target logit ranks
+  after every item and a NaN item after every number. So no two targets of
+  a row share a rank below theirs, and `rank_metrics` never exceeds 1. The
+  targets' (and excluded ids') logits come out of the same tile computation
+  as every item's, so items with identical embeddings tie exactly, as in the
+  dense reference. No top-k and no `[T, V]` array.
 
   Args:
     hidden: `[..., D]`; table: `[V, D]`; targets: int `[..., L]` (padding as
@@ -166,7 +190,7 @@ def target_ranks(hidden, table, targets, *, bias=None, exclude=None, backend="au
       ranked).
     logit_soft_cap: c > 0 ranks by the capped logit c tanh(x / c), as a model
       trained with that cap scores items (ties the cap's float rounding makes
-      go to the target, like every tie).
+      count against the target, like every tie).
 
   Returns:
     int32 `[..., L]`; 0 for padding ids and for repeats of an earlier id in the
@@ -191,13 +215,13 @@ def target_ranks(hidden, table, targets, *, bias=None, exclude=None, backend="au
   num_targets = flat.targets.shape[-1]
   check_backend_supports(backend, flat, plan)
   ids = sparse.prepare_ids(flat.targets, flat.exclude, num_items)
-  logits = sparse.sparse_logits(hidden_, table_, bias_, ids)
-  target_logits = variants.cap(options, logits.target)
-  larger = kernel_module(backend).rank_counts(
+  kernels = kernel_module(backend)
+  target_logits, exclude_logits = rank_logits(
+      kernels, hidden_, table_, bias_, ids, plan=plan, options=options, num_items=num_items)
+  larger = kernels.rank_counts(
       hidden_, table_, bias_, target_logits, ids.target_ids, plan=plan, options=options,
       num_items=num_items,
   )  # [T, L]
-  exclude_logits = None if logits.exclude is None else variants.cap(options, logits.exclude)
   larger = larger - sparse.excluded_above(ids, exclude_logits, target_logits)
   ranks = jnp.where(ids.target_mask, 1 + larger, 0)
   return jnp.reshape(ranks, flat.leading_shape + (num_targets,))

@@ -154,7 +154,12 @@ def dense_target_ranks(hidden, table, targets, *, bias=None, exclude=None, num_i
     counted = counted & ~(
         _id_mask(flat.exclude, vocab, num_items) & ~_id_mask(targets, vocab, num_items)
     )
-  larger = (logits[:, None, :] > target_logits[:, :, None]) & counted[:, None, :]
+  # Ties count against the target (its own column aside); a NaN target ranks
+  # after every item, a NaN item after every number.
+  own = jnp.arange(vocab, dtype=jnp.int32)[None, None, :] == targets[:, :, None]  # [T, L, V]
+  above = ((logits[:, None, :] >= target_logits[:, :, None])
+           | jnp.isnan(target_logits)[:, :, None])
+  larger = above & counted[:, None, :] & ~own
   ranks = 1 + jnp.sum(larger, axis=-1, dtype=jnp.int32)  # [T, L]
   # A repeated id counts once: later copies are padding.
   length = targets.shape[-1]

@@ -326,10 +326,11 @@ def sharded_target_ranks(
 ):
   """`cutbce.target_ranks` on a device mesh: int32 `[B, ..., L]`, 0 for padding.
 
-  rank_tl = 1 + #{v not in X_t : x_tv > x_{t, targets_tl}}. Each target's
-  logit is computed on the shard owning its row and psummed over the vocab
-  axis (zeros elsewhere, so exact), every shard counts its larger logits in
-  one local tiled pass, and the counts are summed over the vocab axis.
+  rank_tl = 1 + #{v not in X_t, v != p : x_tv >= x_tp} (the tie rule of
+  `target_ranks`). Each target's logit is computed by the rank tiles of the
+  shard owning its row and psummed over the vocab axis (zeros elsewhere, so
+  exact), every shard counts its logits at or above it in one local tiled
+  pass, and the counts are summed over the vocab axis.
 
   Args:
     hidden, table, targets, bias, exclude, backend, plan, num_items,
@@ -380,11 +381,13 @@ def _ranks(static: _Static, hidden, table, bias, ids):
     offset, real_rows = layout_lib.shard_rows(layout)
     table, bias = layout_lib.zero_padding_rows(layout, real_rows, table, bias)
     global_ids, local_ids = _local_ids(static, ids, offset)
-    logits = sparse.sparse_logits(hidden, table, bias, local_ids)
+    # From the rank tiles themselves (every shard's tiles alike), so exact
+    # ties stay exact across shards too.
+    target_logits, exclude_logits = api.rank_logits(
+        kernels, hidden, table, bias, local_ids, plan=call.plan, options=call.options,
+        num_items=call.num_items)
     # x_tp lives on the shard that owns row p; the others add 0, so exact.
-    target_logits = jnp.where(
-        local_ids.target_mask, variants.cap(call.options, logits.target), 0.0
-    )  # [T_group, L]
+    target_logits = jnp.where(local_ids.target_mask, target_logits, 0.0)  # [T_group, L]
     if layout.vocab_axis is not None:
       target_logits = lax.psum(target_logits, layout.vocab_axis)
     # -1 matches no local column: only the owning shard leaves out x_tp itself.
@@ -393,11 +396,12 @@ def _ranks(static: _Static, hidden, table, bias, ids):
         hidden, table, bias, target_logits, own_ids, plan=call.plan, options=call.options,
         num_items=call.num_items,
     )  # [T_group, L]
-    exclude_logits = None if logits.exclude is None else variants.cap(call.options, logits.exclude)
     larger = larger - sparse.excluded_above(local_ids, exclude_logits, target_logits)
-    # Padded rows have logit exactly 0: counted wherever 0 > x_target.
+    # Padded rows have logit exactly cap(0) = 0: counted wherever 0 >= x_target
+    # (or x_target is NaN).
     padded = _padded_rows(layout, real_rows)
-    larger = larger - padded * (target_logits < 0).astype(jnp.int32)
+    counted_padding = (target_logits <= 0) | jnp.isnan(target_logits)
+    larger = larger - padded * counted_padding.astype(jnp.int32)
     larger = layout_lib.scatter_tokens(layout, larger)  # [T_local, L]
     target_mask = layout_lib.own_block(layout, global_ids.target_mask)
     return jnp.where(target_mask, 1 + larger, 0)

@@ -111,8 +111,18 @@ def bce(hidden, table, targets, weights=None, *, bias=None, exclude=None,
 
 
 def ranks(hidden, table, targets, *, bias=None, exclude=None, num_items=None, logit_soft_cap=None):
-  """int [..., L]: 1 + #{counted v : x_tv > x_tp} by sorting each row; 0 for padding/repeats."""
-  _, x = logits_of(hidden, table, bias)
+  """int [..., L]: 1 + #{counted v != p : x_tv >= x_tp} by sorting each row; 0 for padding/repeats.
+
+  Ties count against the target; a NaN target ranks after every counted item,
+  a NaN item after every number.
+  """
+  # Row by row, a product summed over D: identical table rows give identical
+  # logits (a BLAS matmul may round them apart by their position).
+  h = np.asarray(hidden, np.float64).reshape(-1, hidden.shape[-1])
+  e = np.asarray(table, np.float64)
+  x = np.stack([np.sum(row[None, :] * e, axis=1) for row in h])
+  if bias is not None:
+    x = x + np.asarray(bias, np.float64)[None]
   if logit_soft_cap is not None:
     x = logit_soft_cap * np.tanh(x / logit_soft_cap)
   t, vocab = x.shape
@@ -122,14 +132,19 @@ def ranks(hidden, table, targets, *, bias=None, exclude=None, num_items=None, lo
                       vocab, num_items)
   out = np.zeros(targets2.shape, np.int64)
   for row in range(t):
-    ordered = np.sort(x[row, counted[row]])[::-1]  # descending
+    values = x[row, counted[row]]
+    ordered = np.sort(values[~np.isnan(values)])  # ascending, NaN items dropped
     seen = set()
     for k, item in enumerate(targets2[row]):
       if not 0 <= item < num_items or item in seen:
         continue
       seen.add(item)
-      # Items strictly larger: position of the first value <= x in descending order.
-      out[row, k] = 1 + np.searchsorted(-ordered, -x[row, item], side="left")
+      if np.isnan(x[row, item]):
+        out[row, k] = int(np.sum(counted[row]))  # after every item (itself counted once)
+        continue
+      # Items at or above x (itself among them, once): count from the first value >= x.
+      at_or_above = len(ordered) - np.searchsorted(ordered, x[row, item], side="left")
+      out[row, k] = at_or_above
   return out.reshape(targets.shape)
 
 

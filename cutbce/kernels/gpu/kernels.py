@@ -545,9 +545,10 @@ def _rank_kernel(*refs, geom: Geometry, has_bias: bool, num_targets: int,
     column_ids = tile * geom.block_v + lax.broadcasted_iota(jnp.int32, (1, geom.block_v), 1)
     updated = []
     for target, count in enumerate(counts):  # L is small and static: unrolled
-      # A target's own column is left out (as in the XLA path), so its rank
-      # does not depend on the tile and the gather rounding x_tp alike.
-      larger = ((logits > target_logits[target][:, None])
+      # Ties count against the target (its own column left out); a NaN
+      # target ranks after every item, a NaN item after every number.
+      target_logit = target_logits[target][:, None]  # [block_t, 1]
+      larger = (((logits >= target_logit) | (target_logit != target_logit))
                 & (column_ids != target_ids[target][:, None]) & valid)
       updated.append(count + jnp.sum(larger, axis=1, dtype=jnp.int32))
     return tuple(updated)
@@ -559,10 +560,77 @@ def _rank_kernel(*refs, geom: Geometry, has_bias: bool, num_targets: int,
     plgpu.store(count_ref.at[split, rows, jnp.int32(target)], count, mask=rows_ok)
 
 
+def _rank_logits_kernel(*refs, geom: Geometry, has_bias: bool, num_ids: int,
+                        options: LossOptions):
+  refs = list(refs)
+  hidden_ref = refs.pop(0)  # [T, D]
+  table_ref = refs.pop(0)  # [V, D]
+  bias_ref = refs.pop(0) if has_bias else None  # [V] f32
+  ids_ref = refs.pop(0)  # [T, K] int32
+  found_ref = refs.pop(0)  # [splits, T, K] f32
+  token_start = pl.program_id(0) * geom.block_t
+  split = pl.program_id(1)
+  hidden = _load_rows(hidden_ref, token_start, geom.block_t, geom.num_tokens, geom)
+  rows = pl.ds(token_start, geom.block_t)
+  rows_ok = _token_rows_ok(token_start, geom)
+  ids = [plgpu.load(ids_ref.at[rows, jnp.int32(column)], mask=rows_ok, other=-1)
+         for column in range(num_ids)]
+
+  def accumulate(tile, found):
+    # The very tile `_rank_kernel` computes, so a twin's logit and the target's agree.
+    _, logits, valid = _vocab_step(table_ref, bias_ref, hidden, tile, geom)
+    logits = variants.cap(options, logits)
+    column_ids = tile * geom.block_v + lax.broadcasted_iota(jnp.int32, (1, geom.block_v), 1)
+    # One column matches at most: x + 0 + ... = x exactly (a NaN stays NaN).
+    return tuple(
+        value + jnp.sum(jnp.where((column_ids == ids[column][:, None]) & valid, logits, 0.0),
+                        axis=1)
+        for column, value in enumerate(found))
+
+  first, last = _split_range(split, geom)
+  init = tuple(jnp.zeros((geom.block_t,), jnp.float32) for _ in range(num_ids))
+  found = lax.fori_loop(first, last, accumulate, init)
+  for column, value in enumerate(found):
+    plgpu.store(found_ref.at[split, rows, jnp.int32(column)], value, mask=rows_ok)
+
+
+@functools.partial(jax.named_call, name="cutbce_gpu_rank_logits")
+def rank_logits(hidden, table, bias, ids, *, plan: TilePlan | None, num_targets: int,
+                options: LossOptions = variants.PLAIN, num_items: int | None = None):
+  """`[T, K]` f32 cap(x_{t, ids[t, k]}) from `rank_counts`' own tiles (0 for other ids)."""
+  del num_targets  # the rank kernel's geometry does not depend on L
+  groups = [
+      _run(_rank_logits, hidden, table, bias, ids[:, start:start + MAX_RANK_TARGETS],
+           plan=plan, options=options, num_items=num_items)
+      for start in range(0, ids.shape[1], MAX_RANK_TARGETS)
+  ]
+  return groups[0] if len(groups) == 1 else jnp.concatenate(groups, axis=1)
+
+
+def _rank_logits(hidden, table, bias, ids, *, plan, options, num_items, interpret):
+  hidden, table, geom = _prepare(hidden, table, plan, "ranks", num_items)
+  num_tokens = hidden.shape[0]
+  num_ids = ids.shape[1]
+  has_bias = bias is not None
+  operands = [hidden, table] + ([bias.astype(jnp.float32)] if has_bias else [])
+  operands += [ids.astype(jnp.int32)]
+  partial = pl.pallas_call(
+      functools.partial(_rank_logits_kernel, geom=geom, has_bias=has_bias, num_ids=num_ids,
+                        options=options),
+      grid=(geom.num_token_tiles, geom.vocab_splits),
+      out_shape=jax.ShapeDtypeStruct((geom.vocab_splits, num_tokens, num_ids), jnp.float32),
+      compiler_params=_compiler_params(geom),
+      interpret=interpret,
+      name=f"cutbce_gpu_rank_logits_bt{geom.block_t}_bv{geom.block_v}_s{geom.vocab_splits}",
+  )(*operands)
+  # One split holds each id: the others add 0, so exact.
+  return jnp.sum(partial, axis=0)
+
+
 @functools.partial(jax.named_call, name="cutbce_gpu_rank_counts")
 def rank_counts(hidden, table, bias, target_logits, target_ids, *, plan: TilePlan | None,
                 options: LossOptions = variants.PLAIN, num_items: int | None = None):
-  """`[T, L]` int32 #{v != target_ids[t, l] : cap(x_tv) > target_logits[t, l]}."""
+  """`[T, L]` int32 #{v != target_ids[t, l] : cap(x_tv) >= target_logits[t, l] or it is NaN}."""
   num_targets = target_logits.shape[1]
   groups = [
       _run(_rank_counts, hidden, table, bias, target_logits[:, start:start + MAX_RANK_TARGETS],
