@@ -334,3 +334,25 @@ def test_a_long_preparation_says_how_far_it_is(caplog):
     progress.rows(300, "the next one")
   assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
       "prepare: past two steps", "prepare: the next one"]
+
+
+@pytest.mark.parametrize("folder", ["it's a dir", "x'; COPY (SELECT 42) TO 'INJECTED'; SELECT '",
+                                    "semi;colon\nnew line\"double"])
+def test_no_path_reaches_duckdb_as_sql(folder, tmp_path, monkeypatch):
+  """A temp folder (from --temp-dir or TMPDIR) is a value, never SQL: quotes, `;`, newlines."""
+  monkeypatch.chdir(tmp_path)
+  raw = tmp_path / "raw" / "events.csv"
+  _write(raw, _events(np.random.default_rng(0), 200))
+  temp = tmp_path / folder
+  code = cli.main(["--dataset", "files", "--path", str(raw), "--user-col", "uid", "--item-col",
+                   "item", "--time-col", "ts", "--engine", "duckdb", "--temp-dir", str(temp),
+                   "--out", str(tmp_path / "out")])
+  assert code == 0
+  assert not list(tmp_path.rglob("INJECTED*"))  # the COPY never ran
+  assert temp.is_dir() and not os.listdir(temp)  # its work folder was used and removed
+  settings = engine.duckdb_settings(str(temp), 2**30, 2)
+  assert settings["temp_directory"] == os.path.join(str(temp), "spill")
+  ref = tmp_path / "ref"
+  prepare.prepare_dataset("files", ref, engine="memory", source_options=dict(path=str(raw),
+                                                                           **COLUMNS))
+  assert _hashes(tmp_path / "out") == _hashes(ref)

@@ -273,6 +273,21 @@ def _prefetched(iterator, depth: int = 1):
     thread.join()
 
 
+def duckdb_settings(work: str, limit: int, threads: int | None) -> dict[str, str]:
+  """DuckDB's settings for one preparation, passed to ``duckdb.connect(config=...)``.
+
+  Values, never SQL: the spill folder (under ``work``, which comes from
+  ``--temp-dir`` or TMPDIR) may hold any character, quotes and semicolons
+  included, and no path or value is ever pasted into a statement.
+  """
+  return {
+      "memory_limit": f"{int(limit) // 2**20}MiB",
+      "temp_directory": os.path.join(work, "spill"),
+      "threads": str(int(threads or os.cpu_count() or 1)),
+      "preserve_insertion_order": "false",
+  }
+
+
 def _load(connection, scan: files_lib.FileScan,
           progress: _Progress) -> tuple[int, _IdStats, _IdStats]:
   """Reads every file into table ``raw``; returns (rows after the filter, user and item id stats).
@@ -466,12 +481,9 @@ def prepare_scan(scan: files_lib.FileScan, out: str | os.PathLike, *, dataset: s
     os.makedirs(temp_dir, exist_ok=True)
   work = tempfile.mkdtemp(prefix="cutbce-prepare-", dir=temp_dir)
   try:
-    connection = duckdb.connect(os.path.join(work, "prepare.duckdb"))
+    connection = duckdb.connect(os.path.join(work, "prepare.duckdb"),
+                                config=duckdb_settings(work, limit, threads))
     try:
-      connection.execute(f"SET memory_limit = '{limit // 2**20}MiB'")
-      connection.execute(f"SET temp_directory = '{os.path.join(work, 'spill')}'")
-      connection.execute(f"SET threads = {int(threads or os.cpu_count() or 1)}")
-      connection.execute("SET preserve_insertion_order = false")
       rows, users, items = _load(connection, scan, progress)
       _remap(connection, min_item_count=min_item_count, min_user_count=min_user_count,
              users=users, items=items, name=scan.name, rows=rows)
