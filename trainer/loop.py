@@ -118,8 +118,8 @@ def _eval_batches(data, config, split: str):
                                     filter_seen=config.eval.filter_seen))
 
 
-def record_config(config, workdir: str, manager, allow_config_change: bool) -> None:
-  """Writes WORKDIR/config.json; on a resume, first checks what changed.
+def check_config(config, workdir: str, manager, allow_config_change: bool) -> None:
+  """On a resume, checks what changed against WORKDIR/config.json (writes nothing).
 
   Raises:
     schema.ConfigError: resuming would change the run (see
@@ -129,6 +129,14 @@ def record_config(config, workdir: str, manager, allow_config_change: bool) -> N
     for line in saved_config.check_resume(workdir, config, process_count=jax.process_count(),
                                           allow_change=allow_config_change):
       logs.say(line)
+
+
+def record_config(config, workdir: str) -> None:
+  """Writes WORKDIR/config.json: only once the state it describes is built or restored.
+
+  So a change that `--allow_config_change` lets through but the checkpoint
+  cannot take (another `model.dim`) leaves the run's config as it was.
+  """
   if jax.process_index() == 0:
     saved_config.write(workdir, config, process_count=jax.process_count())
 
@@ -155,7 +163,7 @@ class Trainer:
 
   def _build(self, config, workdir: str, allow_config_change: bool):
     """Everything after the checkpoint manager: config record, mesh, data, steps, state."""
-    record_config(config, workdir, self.manager, allow_config_change)
+    check_config(config, workdir, self.manager, allow_config_change)
     self.mesh = config_mesh.make_mesh(config)
     logs.say(config_mesh.describe_mesh(self.mesh))
     self.data = prepare_data(config, workdir)
@@ -186,6 +194,7 @@ class Trainer:
     else:  # Straight into the target shardings; no fresh state is ever built.
       self.state = checkpoint.restore(self.manager, latest, plan.abstract, self.iterator)
       logs.say(f"resumed from the checkpoint of step {latest}")
+    record_config(config, workdir)
     self.writer = logs.MetricWriter(workdir)
 
   def to_global(self, batch):

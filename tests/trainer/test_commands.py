@@ -131,6 +131,22 @@ def test_config_change_on_resume_is_refused_then_allowed(trained, tmp_path):
   assert result["step"] == 20 and saved_config.read(copy).optimizer.learning_rate == 0.01
 
 
+def test_an_allowed_change_the_checkpoint_cannot_take_leaves_the_config(trained, tmp_path):
+  """`--allow_config_change` with another model.dim fails on the restore, config.json untouched."""
+  workdir, config, _ = trained
+  config = config.copy_and_resolve_references()
+  copy = str(tmp_path / "run")
+  shutil.copytree(workdir, copy)
+  before = (tmp_path / "run" / saved_config.CONFIG_FILE).read_bytes()
+  config.model.dim = 2 * config.model.dim
+  with pytest.raises(Exception):  # the checkpoint's shapes: orbax's error
+    loop.train_and_evaluate(config, copy, allow_config_change=True)
+  assert (tmp_path / "run" / saved_config.CONFIG_FILE).read_bytes() == before
+  # The original config still resumes without a change.
+  _, original, _ = trained
+  assert saved_config.check_resume(copy, original, process_count=jax.process_count()) == []
+
+
 def test_a_run_saved_before_a_key_existed_resumes_with_its_old_value(trained, tmp_path):
   workdir, config, _ = trained
   copy = tmp_path / "run"
