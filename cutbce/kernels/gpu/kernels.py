@@ -157,13 +157,26 @@ def _prepare(hidden, table, plan, kernel, num_items):
 # --------------------------------------------------------------------------- #
 
 
+def _tile_indices(start, num_rows: int, geom: Geometry):
+  """Row and column indices `[num_rows, dim_padded]` int32 of a `[start:, :dim_padded]` tile.
+
+  The tile is addressed by index arrays, not by `pl.ds` slices: the padded
+  width runs past the D columns in memory, and a slice past a ref's bounds is
+  an error in jax >= 0.11 (a Triton block must still be a power of two wide).
+  Entries past the ref's bounds are masked by the callers; Triton computes the
+  same pointers either way, and the interpreter gathers (and scatters) them.
+  """
+  shape = (num_rows, geom.dim_padded)
+  rows = start + lax.broadcasted_iota(jnp.int32, shape, 0)
+  columns = lax.broadcasted_iota(jnp.int32, shape, 1)
+  return rows, columns
+
+
 def _load_rows(ref, start, num_rows: int, limit: int, geom: Geometry):
   """`[num_rows, dim_padded]` rows [start, start + num_rows) of `ref`; 0 past `limit` or D."""
-  row_ok = start + lax.broadcasted_iota(jnp.int32, (num_rows, 1), 0) < limit
-  column_ok = lax.broadcasted_iota(jnp.int32, (1, geom.dim_padded), 1) < geom.dim
-  mask = jnp.broadcast_to(row_ok & column_ok, (num_rows, geom.dim_padded))
-  return plgpu.load(ref.at[pl.ds(start, num_rows), pl.ds(0, geom.dim_padded)], mask=mask,
-                    other=0)
+  rows, columns = _tile_indices(start, num_rows, geom)
+  mask = (rows < limit) & (columns < geom.dim)
+  return plgpu.load(ref.at[rows, columns], mask=mask, other=0)
 
 
 def _load_vector(ref, start, size: int, limit: int):
@@ -178,12 +191,9 @@ def _store_rows(ref, value, start, limit: int, geom: Geometry, *leading):
   `leading` indices (a split) go in the same indexer: a ref narrowed twice
   (`ref.at[i].at[...]`) is stored wrongly by the interpreter in jax 0.10.2.
   """
-  num_rows = value.shape[0]
-  row_ok = start + lax.broadcasted_iota(jnp.int32, (num_rows, 1), 0) < limit
-  column_ok = lax.broadcasted_iota(jnp.int32, (1, geom.dim_padded), 1) < geom.dim
-  mask = jnp.broadcast_to(row_ok & column_ok, value.shape)
-  index = (*leading, pl.ds(start, num_rows), pl.ds(0, geom.dim_padded))
-  plgpu.store(ref.at[index], value, mask=mask)
+  rows, columns = _tile_indices(start, value.shape[0], geom)
+  mask = (rows < limit) & (columns < geom.dim)
+  plgpu.store(ref.at[(*leading, rows, columns)], value, mask=mask)
 
 
 def _column_valid(start, geom: Geometry):
