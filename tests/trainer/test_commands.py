@@ -246,6 +246,50 @@ def test_export_round_trips_through_load_export(trained, exported):
   assert done.returncode == 0 and done.stdout.strip() == f"({num_items}, 16)", done.stderr
 
 
+def test_an_export_stopped_over_an_older_one_is_refused_not_mixed(trained, exported, tmp_path,
+                                                                     monkeypatch):
+  workdir, _, _ = trained
+  out = tmp_path / "export"
+  shutil.copytree(exported, out)
+  run = workdir_lib.open_run(workdir, which="latest", say=lambda line: None)
+  real_save = np.save
+  calls = []
+
+  def dying_save(handle, array, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:  # after the item table, before the manifest
+      raise KeyboardInterrupt
+    real_save(handle, array, **kwargs)
+
+  monkeypatch.setattr(export.np, "save", dying_save)
+  with pytest.raises(KeyboardInterrupt):
+    export.export_run(run, out)
+  monkeypatch.setattr(export.np, "save", real_save)
+  with pytest.raises(ValueError, match="incomplete export"):
+    export.load_export(out)
+  export.export_run(run, out)  # a complete one loads, all of one step
+  assert export.load_export(out).manifest["step"] == run.step == 20
+  assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+
+
+def test_recommend_stopped_midway_leaves_the_previous_file_whole(trained, tmp_path, capsys,
+                                                                 monkeypatch):
+  workdir, _, _ = trained
+  out = tmp_path / "recs.jsonl"
+  out.write_text("previous\n")
+  real = recommend.recommend
+
+  def stopped(run, users, *, write, **kwargs):
+    real(run, users[:2], write=write, **kwargs)
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(recommend, "recommend", stopped)
+  with pytest.raises(KeyboardInterrupt):
+    recommend.main(["recommend", f"--workdir={workdir}", "--top_k=3", f"--out={out}"])
+  capsys.readouterr()
+  assert out.read_text() == "previous\n" and sorted(os.listdir(tmp_path)) == ["recs.jsonl"]
+
+
 def _histories(data):
   return [np.asarray(data.items[data.offsets[u]:data.offsets[u + 1]])
           for u in range(data.num_users)]

@@ -85,14 +85,19 @@ def load_export(directory: str | os.PathLike, *, mmap: bool = True) -> Export:
 
   Raises:
     FileNotFoundError: no manifest.json in `directory`.
-    ValueError: another format or version, or a file whose shape or dtype
-      differs from the manifest.
+    ValueError: another format or version, a file whose shape or dtype
+      differs from the manifest, or an incomplete export (arrays written,
+      the manifest not: it is written last, atomically).
 
   Example:
     >>> exported = load_export("/tmp/export")  # doctest: +SKIP
     >>> scores, raw_ids = exported.top_k(hidden, 10)  # doctest: +SKIP
   """
   manifest_path = os.path.join(directory, MANIFEST)
+  if not os.path.exists(manifest_path) and os.path.exists(
+      os.path.join(directory, "item_embeddings.npy")):
+    raise ValueError(f"{directory} is an incomplete export (arrays but no {MANIFEST}: an "
+                     "export stopped before it finished); export again")
   with open(manifest_path, encoding="utf-8") as file:
     manifest = json.load(file)
   if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
@@ -137,6 +142,11 @@ def export_run(run, out: str | os.PathLike) -> dict:
   from etils import epath  # pylint: disable=import-outside-toplevel
   folder = epath.Path(out)
   (folder / "params").mkdir(parents=True, exist_ok=True)
+  # The manifest goes first and comes back last: an export that dies between
+  # (over an older one, say) has none, and `load_export` refuses it, where it
+  # would otherwise name one step and hold another step's arrays.
+  if (folder / MANIFEST).exists():
+    (folder / MANIFEST).unlink()
   num_items = run.data.num_items
   params = _flatten(jax.tree.map(np.asarray, jax.device_get(run.params)))
 
@@ -171,7 +181,9 @@ def export_run(run, out: str | os.PathLike) -> dict:
       "seq_len": int(config.seq_len), "input_pad_id": num_items,
       "model": config.model.to_dict(), "arrays": arrays, "params": entries,
   }
-  (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+  temporary = folder / f".{MANIFEST}.tmp-{os.getpid()}"
+  temporary.write_text(json.dumps(manifest, indent=2) + "\n")
+  temporary.replace(folder / MANIFEST)
   return manifest
 
 

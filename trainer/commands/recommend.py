@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -186,9 +187,17 @@ def _command(values) -> int:
   out = epath.Path(values["out"])
   out.parent.mkdir(parents=True, exist_ok=True)
   progress = cli.Progress("recommending", int(users.shape[0]), "users")
-  with out.open("w") as file:
-    recommend(run, users, k=k, include_seen=values["include_seen"], batch_size=batch_size,
-              write=lambda record: file.write(json.dumps(record) + "\n"), progress=progress)
+  # Written beside `out`, then renamed onto it: a stopped command leaves the
+  # previous file (or none) whole, never a partial one.
+  temporary = out.parent / f".{out.name}.tmp-{os.getpid()}"
+  try:
+    with temporary.open("w") as file:
+      recommend(run, users, k=k, include_seen=values["include_seen"], batch_size=batch_size,
+                write=lambda record: file.write(json.dumps(record) + "\n"), progress=progress)
+    temporary.replace(out)
+  finally:
+    if temporary.exists():
+      temporary.unlink()
   cli.notice(f"wrote {users.shape[0]:,} users' top {k} to {out}")
   return 0
 
