@@ -33,7 +33,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from trainer import checkpoint, data as data_lib, evaluate, logs, paths
+from trainer import checkpoint, data as data_lib, evaluate, fingerprint, logs, paths
 from trainer import train as train_lib
 from trainer.config import keys as config_keys, mesh as config_mesh, saved as saved_config, schema
 from trainer.data import prepare as prepare_lib
@@ -167,6 +167,10 @@ class Trainer:
     self.mesh = config_mesh.make_mesh(config)
     logs.say(config_mesh.describe_mesh(self.mesh))
     self.data = prepare_data(config, workdir)
+    resuming = checkpoint.latest_step(self.manager) is not None
+    # A resume refuses re-prepared data whose items moved rows (fingerprint.py).
+    data_fingerprint = (fingerprint.check(workdir, self.data.item_ids) if resuming
+                        else fingerprint.of(self.data.item_ids))
     num_items = self.data.num_items
     vocab_shards = config_mesh.vocab_shard_count(config)
     # Shapes and shardings only: the state is built below, restored or initialised.
@@ -195,6 +199,8 @@ class Trainer:
       self.state = checkpoint.restore(self.manager, latest, plan.abstract, self.iterator)
       logs.say(f"resumed from the checkpoint of step {latest}")
     record_config(config, workdir)
+    if jax.process_index() == 0:
+      fingerprint.record(workdir, data_fingerprint)
     self.writer = logs.MetricWriter(workdir)
 
   def to_global(self, batch):

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trainer import checkpoint, evaluate, loop
+from trainer import checkpoint, evaluate, fingerprint, loop
 from trainer.config import keys as config_keys, saved as saved_config, schema
 from trainer.commands import evaluate as evaluate_command, export, recommend, workdir as workdir_lib
 
@@ -145,6 +145,25 @@ def test_an_allowed_change_the_checkpoint_cannot_take_leaves_the_config(trained,
   # The original config still resumes without a change.
   _, original, _ = trained
   assert saved_config.check_resume(copy, original, process_count=jax.process_count()) == []
+
+
+def test_changed_item_ids_are_refused_by_resume_and_commands(trained, tmp_path):
+  """Re-prepared data whose items moved rows (same count) is named, not used."""
+  workdir, config, _ = trained
+  copy = tmp_path / "run"
+  shutil.copytree(workdir, copy)
+  data = workdir_lib.open_run(str(copy), say=lambda line: None).data  # recorded: accepted
+  record = json.loads((copy / fingerprint.FILE).read_text())
+  assert record == fingerprint.of(data.item_ids)
+  renamed = np.asarray(data.item_ids).copy()
+  renamed[[0, 1]] = renamed[[1, 0]]  # two items swap rows: same shapes
+  (copy / fingerprint.FILE).write_text(json.dumps(fingerprint.of(renamed)))
+  for attempt in (lambda: workdir_lib.open_run(str(copy), say=lambda line: None),
+                  lambda: loop.train_and_evaluate(config.copy_and_resolve_references(),
+                                                  str(copy))):
+    with pytest.raises(schema.ConfigError, match="item-id map differs .* same .* items"):
+      attempt()
+  assert fingerprint.of(np.array(["a", "bc"])) != fingerprint.of(np.array(["ab", "c"]))
 
 
 def test_a_run_saved_before_a_key_existed_resumes_with_its_old_value(trained, tmp_path):

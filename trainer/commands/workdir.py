@@ -31,7 +31,7 @@ from etils import epath
 from flax import nnx
 from jax.sharding import AxisType, Mesh
 
-from trainer import checkpoint, data as data_lib, paths
+from trainer import checkpoint, data as data_lib, fingerprint, paths
 from trainer.config import keys as config_keys, mesh as config_mesh, saved as saved_config
 from trainer import train as train_lib
 from trainer.config.schema import ConfigError
@@ -148,6 +148,7 @@ def open_run(workdir: str, *, which: str = "best", step: int | None = None,
   config_keys.check(config, config_keys.Context(device_count=math.prod(config.mesh.shape)))
   step, which = choose_step(workdir, config.checkpoint.best_metric, which, step, say)
   data = data_lib.load_prepared(config_keys.prepared_folder(config.data.prepared_dir, workdir))
+  fingerprint.check(workdir, data.item_ids)  # the items the checkpoint's rows name
   mesh, token_axes, vocab_axis = command_mesh(config, say)
   graphdef, abstract = _abstract_params(config, data.num_items)
   shardings = train_lib.state_shardings(abstract, mesh, vocab_axis)

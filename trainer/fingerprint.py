@@ -1,0 +1,66 @@
+"""The run's record of its item-id map: WORKDIR/data_fingerprint.json.
+
+A checkpoint's table row v is the item of dense id v. Re-preparing changed raw
+data (an item renamed, added or dropped) can give row v another item with the
+same shapes, and a resume would train on, silently, with rows that now name
+other items. So the first start records a SHA-256 of the item-id map (every
+raw id in dense order) and the item count; a resume, evaluate, recommend or
+export compares, and refuses data that differs, naming what changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from trainer import paths
+from trainer.config.schema import ConfigError
+
+FILE = "data_fingerprint.json"
+
+
+def of(item_ids: np.ndarray) -> dict:
+  """`{"num_items", "item_ids_sha256"}` of a `[V]` raw item-id array (ints or strings)."""
+  ids = np.asarray(item_ids)
+  digest = hashlib.sha256()
+  if ids.dtype.kind in "US":  # each id as UTF-8 with its length: no padding in the hash
+    for value in ids.tolist():
+      raw = str(value).encode("utf-8")
+      digest.update(len(raw).to_bytes(8, "little") + raw)
+  else:
+    digest.update(np.ascontiguousarray(ids, dtype="<i8").tobytes())
+  return {"num_items": int(ids.shape[0]), "item_ids_sha256": digest.hexdigest()}
+
+
+def check(workdir: str | os.PathLike, item_ids: np.ndarray) -> dict:
+  """Compares the data's fingerprint with the run's record; returns the data's.
+
+  Raises:
+    ConfigError: the run recorded another item-id map (one line).
+  """
+  current = of(item_ids)
+  target = paths.as_path(workdir) / FILE
+  if not target.exists():
+    return current
+  recorded = json.loads(target.read_text())
+  if recorded != current:
+    what = (f"{current['num_items']} items (was {recorded.get('num_items')})"
+            if current["num_items"] != recorded.get("num_items") else
+            f"the same {current['num_items']} items, other raw ids or another order")
+    raise ConfigError(
+        f"the prepared data's item-id map differs from the one this run trained on ({what}; "
+        f"sha256 {current['item_ids_sha256'][:12]}, was "
+        f"{str(recorded.get('item_ids_sha256'))[:12]}): the checkpoint's table rows would name "
+        "other items. Restore the raw data the run was prepared from, or start a new workdir")
+  return current
+
+
+def record(workdir: str | os.PathLike, fingerprint: dict) -> None:
+  """Writes WORKDIR/data_fingerprint.json atomically (once the state is built or restored)."""
+  target = paths.as_path(workdir) / FILE
+  temporary = target.parent / f".{FILE}.tmp-{os.getpid()}"
+  temporary.write_text(json.dumps(fingerprint, sort_keys=True) + "\n")
+  temporary.replace(target)
