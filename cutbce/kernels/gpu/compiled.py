@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import cutbce
 from cutbce.kernels.gpu import plan as gpu_plan
@@ -33,7 +34,8 @@ def compile_loss(target: str, backend: str, *, tokens: int, vocab: int, dim: int
   unless `plan` is given). Returns the compiled program
   (`.memory_analysis()`, `.as_text()`).
   """
-  sharding = jax.sharding.SingleDeviceSharding(targets.compile_devices(target)[0])
+  devices = targets.compile_devices(target)
+  sharding = jax.sharding.SingleDeviceSharding(devices[0])
   spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
   args = [spec((tokens, dim), dtype), spec((vocab, dim), dtype),
           spec((tokens, num_targets), jnp.int32),
@@ -52,5 +54,9 @@ def compile_loss(target: str, backend: str, *, tokens: int, vocab: int, dim: int
   def rank(hidden, table, targets_, bias_, exclude):
     return cutbce.target_ranks(hidden, table, targets_, bias=bias_, exclude=exclude, **common)
 
-  with gpu_plan.target_gpu(target):
+  # The mesh of the topology's devices tells the Triton lowering which GPU it
+  # compiles for: jax >= 0.11 reads the part from the ambient mesh (with no
+  # mesh it asks the local GPU, and there is none); 0.10.2 ignores it.
+  mesh = jax.sharding.Mesh(np.asarray(devices), ("gpu",))
+  with gpu_plan.target_gpu(target), jax.set_mesh(mesh):
     return jax.jit(rank if ranks else loss).lower(*args).compile()
