@@ -246,6 +246,9 @@ RULE_BREAKERS = {
     "target_mean_is_softmax_ce": _set_all(loss__target_reduction="mean"),
     "softmax_ce_has_no_variants": _set_all(loss__kind="softmax_ce", loss__focal_gamma=2.0),
     "best_metric_is_evaluated": _set_all(checkpoint__best_metric="ndcg@7"),
+    "seq_len_fits": _set_all(seq_len=2**31),
+    "batch_fits": _set_all(batch_size=2**40),
+    "eval_batch_fits": _set_all(eval_batch_size=2**36),
 }
 
 

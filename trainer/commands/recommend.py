@@ -16,8 +16,10 @@ unless `--include_seen`. The output file holds one JSON line per user,
 
 items by descending score (ties to the smaller dense id), ids as in the raw
 data (integers, or strings for string-id sources). Users go in batches of
-`--batch_size` (default the run's `eval_batch_size`), with progress lines on
-stderr. A user id of FILE that is not in the data stops the command (exit 2,
+`--batch_size` (default the run's `eval_batch_size`; never more than the
+users, rounded up to the token shards; a batch whose forward step is over
+the int32 or memory bound of `trainer/config/budget.py` is refused in one
+line), with progress lines on stderr. A user id of FILE that is not in the data stops the command (exit 2,
 one line naming the unknown ids) before anything is computed or written.
 
 The exclude list of a batch is as wide as the longest distinct history in it
@@ -42,6 +44,7 @@ from cutbce import sharding as cutbce_sharding
 from trainer import data as data_lib
 from trainer.commands import cli
 from trainer import train as train_lib
+from trainer.config import budget
 from trainer.config.schema import ConfigError
 
 _MIN_EXCLUDE = 8
@@ -169,6 +172,28 @@ def recommend(run, users: np.ndarray, *, k: int, include_seen: bool, batch_size:
       progress(start + chunk.shape[0])
 
 
+def _batch_size(run, requested: int | None, *, num_users: int) -> int:
+  """Users per step: `requested` (None: the run's), rounded up to the token shards,
+  no more than the users (rounded up the same way), and within what fits.
+
+  Raises:
+    ConfigError: `--batch_size` (or the run's evaluation batch) is over the
+      int32 or memory bound of the forward step (`trainer/config/budget.py`).
+  """
+  unit = _token_shards(run.settings)
+  batch_size = run.batch_size if requested is None else -(-requested // unit) * unit
+  batch_size = min(batch_size, max(unit, -(-num_users // unit) * unit))
+  found = budget.check_sizes(
+      budget.Model.of_config(run.config.model),
+      sizes={"batch": batch_size, "seq_len": run.config.seq_len}, blame=("batch",), targets=1,
+      shards=unit, local_devices=jax.local_device_count(), memory=budget.memory_bytes(),
+      training=False)
+  if found is not None:
+    shown = run.batch_size if requested is None else requested
+    raise ConfigError(f"--batch_size={shown}: {found[1]}")
+  return batch_size
+
+
 def _command(values) -> int:
   from trainer.commands import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
   run = workdir_lib.open_run(values["workdir"], which=values["checkpoint"],
@@ -180,10 +205,7 @@ def _command(values) -> int:
     users = np.arange(data.num_users, dtype=np.int64)
   else:
     users = dense_users(data.user_ids, read_user_ids(values["users"]), values["users"])
-  batch_size = run.batch_size
-  if values.get("batch_size") is not None:
-    unit = _token_shards(run.settings)
-    batch_size = -(-values["batch_size"] // unit) * unit
+  batch_size = _batch_size(run, values.get("batch_size"), num_users=int(users.shape[0]))
   out = epath.Path(values["out"])
   out.parent.mkdir(parents=True, exist_ok=True)
   progress = cli.Progress("recommending", int(users.shape[0]), "users")

@@ -33,7 +33,7 @@ from trainer import paths
 from trainer.data import engine, files, prepare, sources, splits, windows, yambda
 from trainer.config.schema import (BOOL, FLOAT, INT, INTS, STR, STRS, ConfigError, Rule, above,
                             at_least, flatten, fraction, key, one_of, sections_of, unit)
-from trainer.config import schema
+from trainer.config import budget, schema
 
 __all__ = ["COMMAND_FLAGS", "COMMAND_FLAG_DEFAULTS", "COMMAND_RULES", "ConfigError", "Context",
            "KEYS", "RULES", "check", "check_overrides", "explain_flag_error", "markdown",
@@ -200,6 +200,10 @@ class Context(NamedTuple):
     slice_count: TPU slices of the run (distinct `slice_index` of the
       devices), or its processes off TPU; what the
       product of `mesh.dcn_shape` must equal.
+    memory_bytes: memory of this process's devices together
+      (`budget.memory_bytes()`), or None: the steps' activations are not
+      bounded by memory (`trainer.compile`, whose compiler reports the fit),
+      only by the int32 index limit.
   """
 
   device_count: int
@@ -207,6 +211,7 @@ class Context(NamedTuple):
   process_index: int = 0
   workdir: str | None = None
   slice_count: int = 1
+  memory_bytes: int | None = None
 
 
 def name(path: str) -> str:
@@ -473,6 +478,24 @@ def _best_metric_is_evaluated(values, context):
   return None
 
 
+_MODEL_KEYS = ("model.dim", "model.num_layers", "model.num_heads", "model.mlp_dim", "model.dtype")
+
+
+def _step_fits(batch_key: str, blamed: str, *, training: bool):
+  """A rule: the step over `[batch_key, seq_len]` fits (`budget`), `blamed` to blame."""
+  def check_rule(values, context):
+    local_devices = max(1, context.device_count // max(1, context.process_count))
+    found = budget.check_sizes(
+        budget.Model.of(values), sizes={"batch": values[batch_key], "seq_len": values["seq_len"]},
+        blame=("batch", "seq_len") if training else ("batch",),
+        targets=values["num_targets"] if training else 1, shards=token_shards(values),
+        local_devices=local_devices, memory=context.memory_bytes, training=training)
+    if found is not None and found[0] == blamed:
+      return found[1]
+    return None
+  return check_rule
+
+
 RULES: tuple[Rule, ...] = (
     Rule(name="memory_limit_parses", keys=("data.prepare_memory_limit",),
          check=_memory_limit_parses,
@@ -539,6 +562,19 @@ RULES: tuple[Rule, ...] = (
     Rule(name="best_metric_is_evaluated", keys=("checkpoint.best_metric", "eval.ks"),
          check=_best_metric_is_evaluated,
          doc="`checkpoint.best_metric` is a metric the evaluation computes (k in `eval.ks`)"),
+    Rule(name="seq_len_fits", keys=("seq_len", "batch_size", "num_targets") + _MODEL_KEYS,
+         check=_step_fits("batch_size", "seq_len", training=True),
+         doc="the training step fits (`trainer/config/budget.py`): its `batch_size` x "
+         "`seq_len` x `num_targets` ids at most 2^31 - 1 (int32 indices), and a lower bound "
+         "of its activations within this host's device memory; names `seq_len` when it is "
+         "the further over its limit"),
+    Rule(name="batch_fits", keys=("batch_size", "seq_len", "num_targets") + _MODEL_KEYS,
+         check=_step_fits("batch_size", "batch", training=True),
+         doc="the same bound, naming `batch_size` when it is the further over its limit"),
+    Rule(name="eval_batch_fits", keys=("eval_batch_size", "seq_len") + _MODEL_KEYS,
+         check=_step_fits("eval_batch_size", "batch", training=False),
+         doc="the evaluation step (forward only, one block's activations at a time) fits "
+         "the same way"),
 )
 
 
@@ -745,7 +781,8 @@ COMMAND_FLAGS: dict[str, tuple[schema.Key, ...]] = {
         key("include_seen", BOOL, None, "also recommend items of the user's history"),
         _CHECKPOINT_FLAG, _STEP_FLAG,
         key("batch_size", INT, at_least(1), "users per step (None: the run's "
-            "`eval_batch_size`; rounded up to a multiple of the token shards)", none_ok=True,
+            "`eval_batch_size`; rounded up to a multiple of the token shards, at most the users "
+            "so rounded; within the memory of the host's devices)", none_ok=True,
             required=False)),
     "export": (
         _WORKDIR_FLAG,

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from trainer.config import keys as config_keys
+from trainer.config import budget, keys as config_keys
 from trainer.config.schema import ConfigError
 
 __all__ = ["ConfigError", "check_config", "describe_mesh", "make_mesh", "token_shard_count",
@@ -52,7 +52,8 @@ def check_config(config, device_count: int | None = None, *, workdir: str | None
   fill_mesh_shape(config, device_count)
   context = config_keys.Context(
       device_count=device_count, slice_count=slice_count(),
-      process_count=jax.process_count(), process_index=jax.process_index(), workdir=workdir)
+      process_count=jax.process_count(), process_index=jax.process_index(), workdir=workdir,
+      memory_bytes=budget.memory_bytes())
   config_keys.check(config, context)
 
 

@@ -1,0 +1,175 @@
+"""Sizes a step can hold: an up-front bound on batch and sequence length.
+
+Two limits, both checked before anything is traced, so an absurd
+`config.seq_len` or `--batch_size` is one line, not an OOM kill or an abort
+inside XLA:
+
+* int32 indices: jax and the `cutbce` op flatten a step's positions and
+  index them (targets, gathers, tile grids) with int32, so the targets of a
+  step, `B x N x L` ids, must number at most `2^31 - 1` (past it jax fails
+  with an `OverflowError`, XLA with SIGABRT).
+* memory: a lower bound on the bytes of the arrays the step must hold at
+  once, compared with the memory of this process's devices (their
+  `memory_stats()["bytes_limit"]`, or the host's RAM for CPU devices, which
+  share it). The training step keeps each block's activations for the
+  backward pass,
+
+      B x N x (layers x (heads x N + mlp_dim + 4 D) + 2 D) x bytes,
+
+  the attention weights `[B, heads, N, N]`, the feed-forward's
+  `[B, N, mlp_dim]` and four `[B, N, D]` (the norms' and attention's inputs
+  and outputs) per block, plus the embeddings and the output; the forward-only
+  steps (evaluation, `trainer.recommend`) hold one block's at a time. Items,
+  parameters and the optimizer state are not counted (the catalog is not
+  known yet), so the bound only refuses what cannot fit.
+
+`limit` gives the largest value of one size that passes both, the figure
+the one-line message names.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+INT32_MAX = 2**31 - 1
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+class Model(NamedTuple):
+  """The model sizes a step's activations depend on."""
+
+  dim: int
+  num_layers: int
+  num_heads: int
+  mlp_dim: int
+  dtype_bytes: int
+
+  @classmethod
+  def of(cls, values) -> "Model":
+    """From flat config values (`"model.dim"`, ...)."""
+    return cls(values["model.dim"], values["model.num_layers"], values["model.num_heads"],
+               values["model.mlp_dim"], _DTYPE_BYTES.get(values["model.dtype"], 4))
+
+  @classmethod
+  def of_config(cls, model_config) -> "Model":
+    """From the `config.model` ConfigDict of a run."""
+    return cls(model_config.dim, model_config.num_layers, model_config.num_heads,
+               model_config.mlp_dim, _DTYPE_BYTES.get(model_config.dtype, 4))
+
+
+def step_bytes(model: Model, batch: int, seq_len: int, *, training: bool) -> int:
+  """A lower bound on the bytes of activations a step over `[batch, seq_len]` holds."""
+  dim, layers, heads, mlp_dim, dtype_bytes = model
+  block = heads * seq_len + mlp_dim + 4 * dim  # per position, one block
+  kept = layers * block if training else min(layers, 1) * block
+  return batch * seq_len * (kept + 2 * dim) * dtype_bytes
+
+
+def memory_bytes() -> int | None:
+  """Memory of this process's devices together (bytes), or None when unknown.
+
+  Accelerators report their own (`memory_stats()["bytes_limit"]`); CPU devices
+  share the host's RAM, counted once.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  devices = jax.local_devices()
+  limits = []
+  for device in devices:
+    try:
+      stats = device.memory_stats()
+    except Exception:  # pylint: disable=broad-except  (not every backend has stats)
+      stats = None
+    if not stats or "bytes_limit" not in stats:
+      limits = None
+      break
+    limits.append(int(stats["bytes_limit"]))
+  if limits:
+    return sum(limits)
+  return host_memory_bytes()
+
+
+def host_memory_bytes() -> int | None:
+  """The host's physical RAM (bytes), or None where the OS does not say."""
+  try:
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+  except (AttributeError, ValueError, OSError):
+    return None
+
+
+def fits(model: Model, *, batch: int, seq_len: int, targets: int, shards: int,
+         local_devices: int, memory: int | None, training: bool) -> bool:
+  """Whether a step over a global `[batch, seq_len]` passes both limits.
+
+  Args:
+    model: the model's sizes.
+    batch: global batch B.
+    seq_len: N.
+    targets: ids per position L (the int32 limit counts `B x N x L`).
+    shards: the token shards the batch is split over (devices per batch row).
+    local_devices: devices of this process (each holds `B / shards` rows).
+    memory: bytes of this process's devices together, or None: not checked.
+    training: the training step (activations kept for the backward pass).
+  """
+  if batch * seq_len * max(targets, 1) > INT32_MAX:
+    return False
+  if memory is None:
+    return True
+  per_device = -(-batch // max(shards, 1))
+  return step_bytes(model, per_device, seq_len, training=training) * local_devices <= memory
+
+
+def limit(passes: Callable[[int], bool], value: int) -> int:
+  """The largest `x <= value` with `passes(x)` (0 when none), `passes` monotone."""
+  low, high = 0, value
+  while low < high:
+    middle = (low + high + 1) // 2
+    if passes(middle):
+      low = middle
+    else:
+      high = middle - 1
+  return low
+
+
+def gib(value: int) -> str:
+  """Bytes as GiB, for messages."""
+  return f"{value / 2**30:,.1f} GiB"
+
+
+def why(model: Model, *, batch: int, seq_len: int, targets: int, shards: int,
+        local_devices: int, memory: int | None, training: bool) -> str:
+  """Which limit a step over `[batch, seq_len]` (one that does not fit) is past, in words."""
+  if batch * seq_len * max(targets, 1) > INT32_MAX:
+    return (f"past it the step's batch x seq_len x {max(targets, 1)} target ids "
+            f"overflow int32 indices (2^31 - 1)")
+  del model, local_devices  # the caller found the memory bound to be the one past
+  step = "training" if training else "forward"
+  return (f"past it the {step} step's activations outgrow the {gib(memory or 0)} this "
+          f"host's devices hold")
+
+
+def check_sizes(model: Model, *, sizes: dict[str, int], blame: Sequence[str], targets: int,
+                shards: int, local_devices: int, memory: int | None,
+                training: bool) -> tuple[str, str] | None:
+  """`(key, message tail)` when `sizes` ("batch", "seq_len") do not fit, else None.
+
+  The key blamed is the one of `blame` furthest above its own limit (the
+  others held; a key no value of which fits is blamed last), and the tail
+  names that limit and the bound just past it.
+  """
+  def passes(batch: int, seq_len: int) -> bool:
+    return fits(model, batch=batch, seq_len=seq_len, targets=targets, shards=shards,
+                local_devices=local_devices, memory=memory, training=training)
+
+  if passes(sizes["batch"], sizes["seq_len"]):
+    return None
+  limits = {name: limit(lambda value, name=name: passes(**{**sizes, name: value}), sizes[name])
+            for name in blame}
+  key = max(blame, key=lambda name: sizes[name] / limits[name] if limits[name] else 0.0)
+  past = {**sizes, key: limits[key] + 1}
+  reason = why(model, batch=past["batch"], seq_len=past["seq_len"], targets=targets,
+               shards=shards, local_devices=local_devices, memory=memory, training=training)
+  if limits[key] == 0:
+    return key, f"no value fits here with the other sizes ({reason.replace('past it ', '')})"
+  return key, f"at most {limits[key]:,} here ({reason})"
