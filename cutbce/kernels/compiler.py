@@ -84,11 +84,17 @@ TOPOLOGIES: dict[str, Topology] = dict([
     _topology("v4-16", "v4:2x2x2", (2, 2, 1), "v4"),
     _topology("v5p-8", "v5p:2x2x1", (2, 2, 1), "v5p"),
     _topology("v5p-16", "v5p:2x2x2", (2, 2, 1), "v5p"),
+    # TPU7x (Ironwood): 4 chips per VM, two TensorCores per chip, each its own
+    # device (not megacore): "tpu7x:2x2x1" has 8 devices. Named, as v4 and
+    # v5p, by TensorCores. Needs a libtpu that knows the chip (see
+    # `topology_devices`).
+    _topology("tpu7x-8", "tpu7x:2x2x1", (2, 2, 1), "7x"),
+    _topology("tpu7x-16", "tpu7x:2x2x2", (2, 2, 1), "7x"),
 ])
 
 # `device_kind` of a TPU device -> `tiling.chip_spec` name.
 _CHIP_OF_KIND = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p",
-                 "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
+                 "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e", "TPU7x": "7x"}
 
 
 def topology(name: str) -> Topology:
@@ -129,15 +135,38 @@ def topology_devices(name: str, num_slices: int = 1) -> list:
   # command): libtpu otherwise takes a host-wide lock for its (absent) chips.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
-  desc = topologies.get_topology_desc(
-      platform="tpu", topology_name=spec.topology_name, chip_config_name="default",
-      chips_per_host_bounds=spec.chips_per_host_bounds, num_slices=num_slices,
-      wrap=(False, False, False))
+  try:
+    desc = topologies.get_topology_desc(
+        platform="tpu", topology_name=spec.topology_name, chip_config_name="default",
+        chips_per_host_bounds=spec.chips_per_host_bounds, num_slices=num_slices,
+        wrap=(False, False, False))
+  except Exception as error:  # pylint: disable=broad-exception-caught
+    raise RuntimeError(
+        f"the installed TPU compiler cannot describe {name} ({spec.topology_name}): "
+        f"{_versions()}; {_NEWER_CHIPS_NEED}. It said: {str(error).splitlines()[0]}"
+    ) from error
   return list(desc.devices)
 
 
+# What compiling for the newest named chips was tested with.
+_NEWER_CHIPS_NEED = ("TPU7x slices compile with jax 0.10.2 (libtpu 0.0.42.1) and jax 0.12.0.1 "
+                     "(libtpu 0.0.50.1); an older libtpu may not know the chip: "
+                     "pip install -U 'cutbce[tpu]'")
+
+
+def _versions() -> str:
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  found = []
+  for package in ("jax", "libtpu"):
+    try:
+      found.append(f"{package} {metadata.version(package)}")
+    except metadata.PackageNotFoundError:
+      found.append(f"{package} not installed")
+  return ", ".join(found)
+
+
 def chip_device(chip: str):
-  """One TPU device of `chip` ("v5e", "v6e", "v4", "v5p"): of its smallest named slice."""
+  """One TPU device of `chip` ("v5e", "v6e", "v4", "v5p", "7x"): of its smallest named slice."""
   for spec in TOPOLOGIES.values():
     if spec.chip == chip:
       return topology_devices(spec.name)[0]

@@ -57,9 +57,25 @@ def test_target_chip_rejects_an_unknown_chip_and_nests():
 @pytest.mark.skipif(NO_LIBTPU, reason="libtpu missing: pip install 'cutbce[tpu]'")
 @pytest.mark.parametrize("name,count,kind", [("v5e-8", 8, "TPU v5 lite"),
                                              ("v6e-16", 16, "TPU v6 lite"),
-                                             ("v5p-8", 4, "TPU v5")])
+                                             ("v5p-8", 4, "TPU v5"),
+                                             ("tpu7x-8", 8, "TPU7x")])
 def test_topology_devices_are_the_slices_chips(name, count, kind):
   devices = compiler.topology_devices(name)
   assert len(devices) == count and devices[0].device_kind == kind
   assert compiler.chip_of(devices[0]) == compiler.topology(name).chip
   assert len(compiler.topology_devices(name, num_slices=2)) == 2 * count
+
+
+@pytest.mark.skipif(NO_LIBTPU, reason="libtpu missing: pip install 'cutbce[tpu]'")
+def test_a_slice_libtpu_does_not_know_is_one_clear_error(monkeypatch):
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+
+  def unknown(**kwargs):
+    raise ValueError(f"Unknown topology {kwargs['topology_name']}\nmore lines")
+
+  monkeypatch.setattr(topologies, "get_topology_desc", unknown)
+  with pytest.raises(RuntimeError) as error:
+    compiler.topology_devices("tpu7x-8")
+  message = str(error.value)
+  assert "\n" not in message and "tpu7x:2x2x1" in message and "libtpu" in message
+  assert "jax 0.12.0.1" in message and "Unknown topology" in message
