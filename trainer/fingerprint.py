@@ -26,7 +26,9 @@ def of(item_ids: np.ndarray) -> dict:
   """`{"num_items", "item_ids_sha256"}` of a `[V]` raw item-id array (ints or strings)."""
   ids = np.asarray(item_ids)
   digest = hashlib.sha256()
-  if ids.dtype.kind in "US":  # each id as UTF-8 with its length: no padding in the hash
+  # Strings (fixed-width <U of older folders, variable-width StringDType, or
+  # object) hash alike: each id as UTF-8 with its length, no padding.
+  if ids.dtype.kind in "USTO":
     for value in ids.tolist():
       raw = str(value).encode("utf-8")
       digest.update(len(raw).to_bytes(8, "little") + raw)

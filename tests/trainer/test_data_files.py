@@ -125,16 +125,18 @@ def test_string_ids_round_trip_through_the_prepared_folder(tmp_path):
   prepare.prepare_dataset("files", tmp_path / "out", source_options=options, seq_lens=(2,))
   data = storage.load_prepared(tmp_path / "out")
   for name in ("user_ids", "item_ids"):
-    saved = np.load(tmp_path / "out" / f"{name}.npy", allow_pickle=False)
-    assert saved.dtype.kind == "U"
-    np.testing.assert_array_equal(saved, getattr(data, name))
+    # Stored unpadded: one UTF-8 blob and offsets, each readable without pickle.
+    utf8 = np.load(tmp_path / "out" / f"{name}.utf8.npy", allow_pickle=False)
+    offsets = np.load(tmp_path / "out" / f"{name}.offsets.npy", allow_pickle=False)
+    assert getattr(data, name).dtype.kind == "T"
+    assert storage.decode_strings(utf8, offsets).tolist() == getattr(data, name).tolist()
   # The downstream contract: item_ids[dense] is the raw id.
   raw = {}
   for u in range(data.num_users):
     items = data.items[data.offsets[u]:data.offsets[u + 1]]
-    raw[data.user_ids[u].item()] = [data.item_ids[i].item() for i in items]
+    raw[data.user_ids[u:u + 1].item()] = data.item_ids[np.asarray(items)].tolist()
   assert raw == {"ann": ["a", "c"], "bob": ["c", "b", "a"]}
-  assert isinstance(data.item_ids[0].item(), str)
+  assert isinstance(data.item_ids[0], str) and isinstance(data.item_ids.tolist()[0], str)
 
 
 def test_csv_ids_are_integers_only_when_every_value_is_a_plain_integer(tmp_path):
@@ -181,7 +183,7 @@ def test_storage_takes_unicode_id_maps_but_not_objects(tmp_path):
   storage.write_prepared(tmp_path, arrays, {})
   assert storage.load_prepared(tmp_path).item_ids.tolist() == ["x"]
   arrays["item_ids"] = np.array(["x"], object)
-  with pytest.raises(ValueError, match=r"'item_ids' is object.*expected int64 \(or <U\)"):
+  with pytest.raises(ValueError, match=r"'item_ids' is object.*expected int64 \(or strings\)"):
     storage.write_prepared(tmp_path, arrays, {})
 
 

@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 
+from trainer import fingerprint
 from trainer.data import __main__ as cli
 from trainer.data import prepare, preprocess, storage, windows
 
@@ -169,7 +170,11 @@ def test_preparation_is_deterministic(tmp_path):
           check=False)
       assert result.returncode == 0, result.stderr
     first, second = (_file_hashes(folder) for folder in folders)
-    assert set(first) == {storage.MANIFEST} | {f"{a}.npy" for a in storage.ARRAYS}, name
+    # String ids (files' users and items) are a UTF-8 blob and offsets each.
+    strings = set(storage.RAW_ID_ARRAYS) if name == "files" else set()
+    expected = {f"{a}.npy" for a in set(storage.ARRAYS) - strings}
+    expected |= {f"{a}.{part}.npy" for a in strings for part in ("utf8", "offsets")}
+    assert set(first) == {storage.MANIFEST} | expected, name
     assert first == second, name
 
 
@@ -193,3 +198,59 @@ def test_host_lock_lets_one_process_of_a_machine_prepare_at_a_time(tmp_path):
   with pytest.raises(ValueError, match="a local folder"):
     with prepare.host_lock("gs://bucket/prepared"):
       pass
+
+
+# --------------------------------------------------------------------------- #
+# String ids stored unpadded (issue 32, bad #7)                                #
+# --------------------------------------------------------------------------- #
+
+
+def _arrays_with_item_ids(item_ids):
+  arrays = {n: np.zeros((1,) * rank, dtype) for n, (dtype, rank) in storage.ARRAYS.items()}
+  arrays["item_ids"] = item_ids
+  return arrays
+
+
+def test_one_long_string_id_costs_its_own_bytes(tmp_path):
+  ids = np.array(["x" * 2**20] + [f"item-{i}" for i in range(60)])  # <U1048576: 244 MB
+  storage.write_prepared(tmp_path, _arrays_with_item_ids(ids), {})
+  on_disk = sum(path.stat().st_size for path in tmp_path.iterdir())
+  assert on_disk < 2**20 + 64 * 1024
+  loaded = storage.load_prepared(tmp_path).item_ids
+  assert loaded.dtype.kind == "T" and loaded.tolist() == ids.tolist()
+
+
+def test_string_ids_round_trip_any_text(tmp_path):
+  ids = np.array(["", "é", "a\nb", "日本", "\x00z", "'; DROP"], dtype=np.dtypes.StringDType())
+  storage.write_prepared(tmp_path, _arrays_with_item_ids(ids), {})
+  entry = json.loads((tmp_path / storage.MANIFEST).read_text())["arrays"]["item_ids"]
+  assert entry["dtype"] == "utf8" and entry["shape"] == [6]
+  assert storage.load_prepared(tmp_path).item_ids.tolist() == ids.tolist()
+
+
+def test_a_version_1_folder_with_fixed_width_ids_still_loads(tmp_path):
+  ids = np.array(["b", "ccc", "a"])
+  storage.write_prepared(tmp_path, _arrays_with_item_ids(ids), {})
+  new = storage.load_prepared(tmp_path).item_ids
+  # Rewrite it as version 1 wrote it: item_ids.npy, a <U array.
+  manifest = json.loads((tmp_path / storage.MANIFEST).read_text())
+  for part in ("utf8", "offsets"):
+    (tmp_path / f"item_ids.{part}.npy").unlink()
+  np.save(tmp_path / "item_ids.npy", ids)
+  manifest["version"] = 1
+  manifest["arrays"]["item_ids"] = {"dtype": str(ids.dtype), "file": "item_ids.npy",
+                                     "shape": [3]}
+  (tmp_path / storage.MANIFEST).write_text(json.dumps(manifest))
+  old = storage.load_prepared(tmp_path).item_ids
+  assert old.dtype == ids.dtype and old.tolist() == new.tolist()
+  # The run's data fingerprint is the same either way (a workdir prepared
+  # before can be re-prepared without being refused).
+  assert fingerprint.of(old) == fingerprint.of(new)
+
+
+def test_corrupted_string_offsets_are_one_line(tmp_path):
+  storage.write_prepared(tmp_path, _arrays_with_item_ids(np.array(["a", "bb"])), {})
+  np.save(tmp_path / "item_ids.offsets.npy", np.array([0, 5, 3], np.int64))
+  with pytest.raises(ValueError, match=r"item_ids.utf8.npy and item_ids.offsets.npy in .*: "
+                     r"expected a uint8 blob"):
+    storage.load_prepared(tmp_path)

@@ -83,7 +83,7 @@ def _run(module, capsys, *flags):
 def test_prepared_data_keeps_the_raw_string_ids(run):
   workdir, walks = run
   data = workdir_lib.open_run(workdir, say=lambda line: None).data
-  assert data.user_ids.dtype.kind == "U" and data.item_ids.dtype.kind == "U"
+  assert data.user_ids.dtype.kind == "T" and data.item_ids.dtype.kind == "T"
   assert sorted(data.user_ids.tolist()) == sorted(walks)
   assert sorted(data.item_ids.tolist()) == sorted({_song(i) for i in range(NUM_SONGS)})
   # Time order restored from the shuffled file: each history is its walk.

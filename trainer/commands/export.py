@@ -11,8 +11,12 @@ and one JSON manifest, readable by any NumPy (no pickle, no jax, no orbax):
                              (the output table; the rows a vocab-sharded
                              run pads its table with are cut off)
     DIR/item_bias.npy        float32 [V], only when the model has an item bias
-    DIR/item_ids.npy         [V] raw id of each row: int64, or a `<U` string
-                             array for string-id sources
+    DIR/item_ids.npy         int64 [V] raw id of each row (integer ids); for
+                             string ids, unpadded, DIR/item_ids.utf8.npy
+                             (uint8, every id's UTF-8 concatenated) and
+                             DIR/item_ids.offsets.npy (int64 [V + 1]: id v is
+                             utf8[offsets[v]:offsets[v + 1]]), manifest
+                             dtype "utf8"
     DIR/params/<name>.npy    every model parameter, `name` its path in the
                              parameter tree joined with "." (the item table
                              is not repeated: its entry points at
@@ -40,7 +44,9 @@ import sys
 import numpy as np
 
 FORMAT = "cutbce-export"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: string ids as a fixed-width <U item_ids.npy
+STRING_IDS = "utf8"  # manifest dtype of string ids (as trainer.data.storage writes them)
 MANIFEST = "manifest.json"
 ITEM_TABLE_PATH = "item_embedding/embedding"  # the SASRec item table in the parameter tree
 ITEM_BIAS_PATH = "item_bias/bias"  # an item bias, if a model has one
@@ -53,7 +59,8 @@ class Export:
   Attributes:
     item_embeddings: float32 `[V, D]`.
     item_bias: float32 `[V]`, or None.
-    item_ids: `[V]` raw item ids (int64 or `<U` strings).
+    item_ids: `[V]` raw item ids (int64, or strings: numpy `StringDType`;
+      `<U` from a version 1 export).
     params: `{name: array}` of every parameter ("blocks/0/mlp/up/kernel").
     manifest: the parsed manifest.json.
   """
@@ -100,11 +107,15 @@ def load_export(directory: str | os.PathLike, *, mmap: bool = True) -> Export:
                      "export stopped before it finished); export again")
   with open(manifest_path, encoding="utf-8") as file:
     manifest = json.load(file)
-  if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+  if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE_VERSIONS:
     raise ValueError(f"{manifest_path} has format {manifest.get('format')!r} version "
-                     f"{manifest.get('version')!r}; expected {FORMAT!r} version {VERSION}")
+                     f"{manifest.get('version')!r}; expected {FORMAT!r} version "
+                     f"{' or '.join(map(str, READABLE_VERSIONS))}")
 
   def load(entry) -> np.ndarray:
+    if entry["dtype"] == STRING_IDS:
+      return _strings(np.load(os.path.join(directory, entry["file"])),
+                      np.load(os.path.join(directory, entry["offsets_file"])), entry, directory)
     array = np.load(os.path.join(directory, entry["file"]), mmap_mode="r" if mmap else None)
     if list(array.shape) != entry["shape"] or str(array.dtype) != entry["dtype"]:
       raise ValueError(f"{entry['file']} in {directory} is {array.dtype} {list(array.shape)}; "
@@ -130,6 +141,19 @@ def _flatten(tree, prefix: str = "") -> dict[str, object]:
     else:
       flat[path] = value
   return flat
+
+
+def _strings(utf8: np.ndarray, offsets: np.ndarray, entry: dict, directory) -> np.ndarray:
+  """String ids (numpy `StringDType`) from their UTF-8 blob and offsets."""
+  if (utf8.dtype != np.uint8 or utf8.ndim != 1 or offsets.ndim != 1
+      or list(offsets.shape) != [entry["shape"][0] + 1] or offsets[0] != 0
+      or offsets[-1] != utf8.shape[0] or np.any(np.diff(offsets) < 0)):
+    raise ValueError(f"{entry['file']} and {entry['offsets_file']} in {directory} are not "
+                     f"{entry['shape'][0]} ids as a uint8 blob and offsets into it")
+  blob = bytes(utf8)
+  return np.array([blob[a:b].decode("utf-8")
+                   for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())],
+                  dtype=np.dtypes.StringDType())
 
 
 def _entry(file: str, array: np.ndarray, **extra) -> dict:
@@ -163,8 +187,17 @@ def export_run(run, out: str | os.PathLike) -> dict:
     save("item_bias.npy", bias)
     arrays["item_bias"] = _entry("item_bias.npy", bias)
   item_ids = np.asarray(run.data.item_ids)
-  save("item_ids.npy", item_ids)
-  arrays["item_ids"] = _entry("item_ids.npy", item_ids)
+  if item_ids.dtype.kind in "UT":  # unpadded: one UTF-8 blob and offsets into it
+    encoded = [value.encode("utf-8") for value in item_ids.tolist()]
+    offsets = np.zeros(len(encoded) + 1, np.int64)
+    np.cumsum([len(raw) for raw in encoded], out=offsets[1:])
+    save("item_ids.utf8.npy", np.frombuffer(b"".join(encoded), np.uint8))
+    save("item_ids.offsets.npy", offsets)
+    arrays["item_ids"] = {"file": "item_ids.utf8.npy", "offsets_file": "item_ids.offsets.npy",
+                          "shape": [int(item_ids.shape[0])], "dtype": STRING_IDS}
+  else:
+    save("item_ids.npy", item_ids)
+    arrays["item_ids"] = _entry("item_ids.npy", item_ids)
   entries = []
   for name, value in params.items():
     if name in (ITEM_TABLE_PATH, ITEM_BIAS_PATH):

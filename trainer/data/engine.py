@@ -338,12 +338,13 @@ def _arrow_table(result) -> pa.Table:
 
 
 def _raw_ids(connection, table: str, column: str, stats: _IdStats) -> np.ndarray:
-  """``[K]`` raw ids of ``table`` in dense order: int64, or ``<U`` of the vocabulary's width."""
+  """``[K]`` raw ids of ``table`` in dense order: int64, or variable-width strings
+  (numpy ``StringDType``: a long id costs its own bytes, not the catalog's)."""
   values = _arrow_table(connection.sql(
       f"SELECT {column} FROM {table} ORDER BY dense")).column(0)
   if not stats.strings:
     return values.to_numpy().astype(np.int64, copy=False)
-  return np.asarray(values.to_numpy(zero_copy_only=False), dtype=f"<U{max(1, stats.width())}")
+  return np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.dtypes.StringDType())
 
 
 def _remap(connection, *, min_item_count: int, min_user_count: int,

@@ -21,8 +21,9 @@ What is read:
   a plain decimal integer without leading zeros (``"17"``; ``"017"`` keeps the
   column as strings). When files disagree (integers in one, strings in
   another), the integers are read as their decimal text. Preprocessing keeps
-  the raw ids: ``user_ids.npy`` / ``item_ids.npy`` of the prepared folder are
-  int64 for integer ids and numpy unicode (``<U``) for string ids.
+  the raw ids: the prepared folder's ``user_ids`` / ``item_ids`` are int64 for
+  integer ids, and an unpadded UTF-8 blob with offsets for string ids
+  (``trainer.data.storage``).
 * Times become int64 counts of ``time_unit`` (``"s"``, ``"ms"``, ``"us"``,
   ``"ns"``; default ``"s"``): an integer is taken as such a count already; a
   float too, rounded down (events that then tie keep their file order); a

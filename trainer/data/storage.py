@@ -9,13 +9,22 @@ A prepared dataset is a folder::
   train_lengths.npy      int64 [U]      training prefix length per user
   validation.npy         int64 [K, 4]   (user, history_length, target_start,
   test.npy               int64 [K, 4]    target_end), relative to offsets[user]
-  user_ids.npy           int64 or <U [U]  raw id of each dense user
-  item_ids.npy           int64 or <U [V]  raw id of each dense item
+  user_ids.npy           int64 [U]        raw id of each dense user (integer ids)
+  item_ids.npy           int64 [V]        raw id of each dense item (integer ids)
+  item_ids.utf8.npy      uint8 [bytes]    string ids: every id's UTF-8, concatenated
+  item_ids.offsets.npy   int64 [V + 1]    id v = utf8[offsets[v]:offsets[v + 1]]
+                                          (user_ids.utf8.npy, .offsets.npy alike)
 
 Raw ids: ``PreparedDataset.item_ids[v]`` is the raw id of dense item ``v``
 (``user_ids[u]`` of dense user ``u``), as the source had it: int64 for integer
-ids, numpy unicode (``<U``, fixed width) for string ids (``.item()`` /
-``.tolist()`` give Python ``int`` / ``str``). Both files load with
+ids, a variable-width numpy string array (``StringDType``) for string ids
+(``.tolist()`` gives Python ``int`` / ``str``; an element of a string array
+is already a Python ``str``). String ids are
+stored unpadded, as one UTF-8 blob and int64 offsets (manifest dtype
+``"utf8"``), so one long id costs its own bytes, not its length times the
+catalog (a fixed-width ``<U`` array pads every id to the longest: one 1 MB id
+made a 61-item map 244 MB). Folders of version 1, whose string ids are ``<U``
+``.npy`` files, still load (as ``<U`` arrays). Every file loads with
 ``np.load(path, allow_pickle=False)``, so tools outside the trainer can read
 the id maps.
 
@@ -62,15 +71,60 @@ from trainer.data import splits, windows
 
 MANIFEST = "manifest.json"
 FORMAT = "cutbce-prepared"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: string ids as fixed-width <U .npy
+STRING_IDS = "utf8"  # manifest dtype of string ids stored as UTF-8 blob + offsets
 ARRAYS = {  # name -> (dtype, rank)
     "items": ("int32", 1), "timestamps": ("int64", 1),
     "offsets": ("int64", 1), "train_lengths": ("int64", 1),
     "validation": ("int64", 2), "test": ("int64", 2),
     "user_ids": ("int64", 1), "item_ids": ("int64", 1),
 }
-# Raw-id arrays: int64 as in ARRAYS, or numpy unicode ("<U...") for string ids.
+# Raw-id arrays: int64 as in ARRAYS, or strings (numpy StringDType or <U in
+# memory; UTF-8 blob + offsets on disk). Object arrays are refused (they may
+# hold anything).
 RAW_ID_ARRAYS = ("user_ids", "item_ids")
+
+
+def is_string_ids(dtype: np.dtype) -> bool:
+  """Whether raw ids of ``dtype`` are strings (``<U`` or ``StringDType``)."""
+  return np.dtype(dtype).kind in "UT"
+
+
+def encode_strings(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """``(utf8, offsets)`` of ``[K]`` string ids: uint8 ``[bytes]``, int64 ``[K + 1]``.
+
+  Example:
+    >>> utf8, offsets = encode_strings(np.array(["a", "bé"]))
+    >>> offsets.tolist(), bytes(utf8).decode()
+    ([0, 1, 4], 'abé')
+  """
+  encoded = [str(value).encode("utf-8") for value in np.asarray(ids).tolist()]
+  offsets = np.zeros(len(encoded) + 1, np.int64)
+  np.cumsum([len(raw) for raw in encoded], out=offsets[1:])
+  return np.frombuffer(b"".join(encoded), np.uint8), offsets
+
+
+def decode_strings(utf8: np.ndarray, offsets: np.ndarray, where: str = "") -> np.ndarray:
+  """The ``[K]`` string ids (numpy ``StringDType``) of :func:`encode_strings`' output.
+
+  Raises:
+    ValueError: offsets that are not ``[K + 1]`` non-decreasing from 0 to the
+      blob's length, or bytes that are not UTF-8 (``where`` names the files).
+  """
+  utf8, offsets = np.asarray(utf8), np.asarray(offsets)
+  if (utf8.ndim != 1 or utf8.dtype != np.uint8 or offsets.ndim != 1
+      or not np.issubdtype(offsets.dtype, np.integer) or offsets.shape[0] < 1
+      or offsets[0] != 0 or offsets[-1] != utf8.shape[0] or np.any(np.diff(offsets) < 0)):
+    raise ValueError(f"string ids {where}: expected a uint8 blob and int64 offsets from 0 "
+                     f"to its {utf8.shape[0]} bytes, non-decreasing")
+  blob = bytes(utf8)
+  try:
+    values = [blob[start:stop].decode("utf-8")
+              for start, stop in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+  except UnicodeDecodeError as error:
+    raise ValueError(f"string ids {where}: not UTF-8 ({error})") from None
+  return np.array(values, dtype=np.dtypes.StringDType())
 
 
 # Event arrays: [n], cut into shards by user when num_shards > 1.
@@ -165,7 +219,7 @@ class NpyStream:
 
 
 def _dtype_ok(name: str, dtype: np.dtype) -> bool:
-  if name in RAW_ID_ARRAYS and dtype.kind == "U":
+  if name in RAW_ID_ARRAYS and is_string_ids(dtype):
     return True
   return dtype == np.dtype(ARRAYS[name][0])
 
@@ -346,11 +400,13 @@ def write_prepared(path: str | os.PathLike, arrays: Mapping[str, np.ndarray],
     array = arrays[name]
     kind = np.dtype(array.dtype)
     if not _dtype_ok(name, kind) or array.ndim != rank:
-      expected = f"{dtype} (or <U)" if name in RAW_ID_ARRAYS else dtype
+      expected = f"{dtype} (or strings)" if name in RAW_ID_ARRAYS else dtype
       raise ValueError(f"array {name!r} is {kind} rank {array.ndim}; "
                        f"expected {expected} rank {rank}")
-    entry = {"dtype": str(kind) if kind.kind == "U" else dtype, "shape": list(array.shape)}
-    if name in EVENT_ARRAYS and num_shards > 1:
+    entry = {"dtype": dtype, "shape": list(array.shape)}
+    if name in RAW_ID_ARRAYS and is_string_ids(kind):
+      entry.update(dtype=STRING_IDS, file=f"{name}.utf8.npy", offsets_file=f"{name}.offsets.npy")
+    elif name in EVENT_ARRAYS and num_shards > 1:
       entry["files"] = event_files(name, num_shards)
     else:
       entry["file"] = f"{name}.npy"
@@ -361,7 +417,12 @@ def write_prepared(path: str | os.PathLike, arrays: Mapping[str, np.ndarray],
     array = arrays[name]
     if isinstance(array, Written):
       continue
-    if name in EVENT_ARRAYS and num_shards > 1:
+    if table[name]["dtype"] == STRING_IDS:
+      utf8, offsets = encode_strings(array)
+      _write_atomic(folder / table[name]["file"], lambda file, a=utf8: np.save(file, a))
+      _write_atomic(folder / table[name]["offsets_file"],
+                    lambda file, a=offsets: np.save(file, a))
+    elif name in EVENT_ARRAYS and num_shards > 1:
       for file, start, stop in zip(table[name]["files"], rows[:-1], rows[1:]):
         _write_atomic(folder / file, lambda f, a=array[start:stop]: np.save(f, a))
     else:
@@ -477,15 +538,25 @@ def load_prepared(path: str | os.PathLike) -> PreparedDataset:
         "preparation failed; run `python -m trainer.data --out "
         f"{folder} ...` first")
   manifest = json.loads(manifest_path.read_text())
-  if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+  if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE_VERSIONS:
     raise ValueError(
         f"{manifest_path} has format {manifest.get('format')!r} version "
-        f"{manifest.get('version')!r}; expected {FORMAT!r} version {VERSION}")
+        f"{manifest.get('version')!r}; expected {FORMAT!r} version "
+        f"{' or '.join(map(str, READABLE_VERSIONS))}")
   arrays = {}
   for name, entry in manifest["arrays"].items():
     if "files" in entry:  # an event array cut into shards: opened on first use
       arrays[name] = ShardedRows([folder / file for file in entry["files"]],
                                  manifest["shards"]["rows"], entry["dtype"])
+      continue
+    if entry["dtype"] == STRING_IDS:
+      array = decode_strings(_load_array(folder / entry["file"]),
+                             _load_array(folder / entry["offsets_file"]),
+                             f"{entry['file']} and {entry['offsets_file']} in {folder}")
+      if list(array.shape) != entry["shape"]:
+        raise ValueError(f"{entry['file']} in {folder} holds {array.shape[0]} ids; the "
+                         f"manifest expects {entry['shape'][0]}")
+      arrays[name] = array
       continue
     array = _load_array(folder / entry["file"])
     if str(array.dtype) != entry["dtype"] or list(array.shape) != entry["shape"]:
