@@ -21,9 +21,13 @@ are sparse or O(D) per token. Gradient of l_t w.r.t. x_tv:
 
     k_t p_tv - (1 - e) r_t [v in P_t] - e k_t [v in S_t] / |S_t|,   p_tv = exp(x_tv - lse_t)
 
-The backward recomputes each logit tile (`softmax_backward`: 3 GEMMs per tile)
-from the residual lse_t, with the smoothing's uniform part in the same tile;
-the targets' part is a sparse scatter. Unlike BCE there is no one-pass form:
+The forward's sweep leaves the targets out of its sums and adds them back
+from their own logits (`partition`), which also gives each target's
+1 - p_tp = sigmoid(lse_{-p} - x_tp) without cancellation. The backward
+recomputes each logit tile (`softmax_backward`: 3 GEMMs per tile) from the
+residual lse_t, with the smoothing's uniform part in the same tile; the
+targets' columns are set in the tile, in float32, to their whole gradient
+computed from 1 - p_tp (`target_columns`). Unlike BCE there is no one-pass form:
 p_tv needs lse_t, known only after the whole sweep, so the loss with its
 gradients costs 4 GEMMs per tile (BCE's one pass: 3).
 
@@ -128,11 +132,85 @@ def _item_sums(table, bias, items):
   return table_sum, bias_sum
 
 
+def separated_targets(call: SoftmaxCall, ids: sparse.SparseIds) -> int:
+  """How many target columns (the first ones) the forward sweep leaves out of its sums.
+
+  All L where the kernels compare any number of ids per tile (XLA); else as
+  many as fit beside the E excluded ids (`MAX_SOFTMAX_EXCLUDE`). The targets
+  left out are added back from their own logits (`partition`), which gives
+  each one's 1 - p_tp without cancellation.
+  """
+  kernels = backends.kernel_module("pallas_tpu" if call.backend == "auto" else call.backend)
+  limit = getattr(kernels, "MAX_SOFTMAX_EXCLUDE", None)
+  num_targets = ids.target_ids.shape[-1]
+  if limit is None:
+    return num_targets
+  width = 0 if ids.exclude_ids is None else ids.exclude_ids.shape[-1]
+  return max(0, min(num_targets, limit - width))
+
+
+def _sum_exclude(call: SoftmaxCall, ids: sparse.SparseIds):
+  """The forward sweep's masked ids: the excluded ids and the separated targets, or None."""
+  excluded = _exclude_or_none(ids)
+  count = separated_targets(call, ids)
+  if not count:
+    return excluded
+  targets = jnp.where(ids.target_mask[:, :count], ids.target_ids[:, :count], -1)
+  return targets if excluded is None else jnp.concatenate([excluded, targets], axis=-1)
+
+
+def _logsumexp(terms, axis=-1):
+  """log sum exp over `axis`, -inf when every term is -inf (never NaN for those)."""
+  top = jnp.max(terms, axis=axis, keepdims=True)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  return jnp.squeeze(top, axis) + jnp.log(jnp.sum(jnp.exp(terms - top), axis=axis))
+
+
+def partition(row_max, row_sum, target_logits, target_mask, count: int):
+  """(lse_t `[T]`, 1 - p_tp `[T, L]`) from the sweep's (max, sum) and the targets' own logits.
+
+  The sweep summed every item but the first `count` targets (the separated
+  ones, `separated_targets`); their exp(x_tp) are added back here. For a
+  separated target,
+
+      1 - p_tp = sum_{v != p} p_tv = sigmoid(lse_{-p} - x_tp),
+      lse_{-p} = log(exp(rest_t) + sum_{q separated, q != p} exp(x_tq)),
+
+  a float32 number with float32's relative precision however close p_tp is
+  to 1, where reading it off lse_t - x_tp (~1e-5 next to lse_t ~ 7, whose
+  float32 spacing is ~5e-7) keeps one or two digits. Targets past `count`
+  (kernels that compare few ids) keep -expm1(x_tp - lse_t). 0 where not
+  `target_mask`. lse_t is +inf for a token with no item (its gradient is 0).
+
+  Args:
+    row_max, row_sum: `[T]` f32, (max, sum exp(x - max)) over the rest.
+    target_logits: `[T, L]` f32 x_tp (global: every shard's targets).
+    target_mask: `[T, L]` bool, the valid deduplicated targets.
+    count: the separated targets, the first `count` columns.
+  """
+  rest = jnp.where(row_sum > 0, row_max + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)),
+                   -jnp.inf)  # [T]
+  separated = target_mask[:, :count]  # [T, K]
+  x = jnp.where(separated, target_logits[:, :count], -jnp.inf)  # [T, K]
+  lse = _logsumexp(jnp.concatenate([rest[:, None], x], axis=-1))  # [T]
+  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+  # Row p of `others` holds the other separated targets' logits.
+  others = jnp.where(jnp.eye(count, dtype=bool)[None], -jnp.inf, x[:, None, :])  # [T, K, K]
+  rest_k = jnp.broadcast_to(rest[:, None, None], others.shape[:2] + (1,))
+  lse_minus = _logsumexp(jnp.concatenate([rest_k, others], axis=-1))  # [T, K]
+  complement = jnp.where(
+      separated, jax.nn.sigmoid(lse_minus - jnp.where(separated, x, 0.0)), 0.0)
+  tail = -jnp.expm1(target_logits[:, count:] - lse[:, None])
+  tail = jnp.where(target_mask[:, count:], tail, 0.0)
+  return lse, jnp.concatenate([complement, tail], axis=-1)
+
+
 class LocalForward(NamedTuple):
   """One table's (or vocabulary shard's) part of the forward, all `[T]`.
 
   Attributes:
-    row_max, row_sum: the running (max, sum exp(x - max)) over its items.
+    row_max, row_sum: the running (max, sum exp(x - max)) over its items,
+      the separated targets (`separated_targets`) left out.
     linear: its part of -(1 - e) r_t sum_p x_tp - e k_t/|S_t| sum_S x_tv.
     positive_count: int32 #{x_tv > 0} over its items (excluded ids in), or None.
     logits: the sparse logits at the ids it owns (for the counts).
@@ -152,7 +230,7 @@ def local_forward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds,
   `ids` point into this table (a shard's rebased ids: others' masked out).
   """
   row_max, row_sum, positive_count = call.kernels.softmax_forward(
-      hidden, table, bias, _exclude_or_none(ids), plan=call.plan,
+      hidden, table, bias, _sum_exclude(call, ids), plan=call.plan,
       with_counts=call.with_counts, num_items=call.num_items, valid_rows=valid_rows)
   logits = sparse.sparse_logits(hidden, table, bias, ids)
   linear = -coeffs.target * jnp.sum(jnp.where(ids.target_mask, logits.target, 0.0), axis=-1)
@@ -166,27 +244,22 @@ def local_forward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds,
   return LocalForward(row_max, row_sum, linear, positive_count, logits)
 
 
-def log_partition(row_max, row_sum):
-  """lse_t = row_max + log(row_sum); +inf for a token with no item (its gradient is 0)."""
-  return jnp.where(row_sum > 0, row_max + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)),
-                   jnp.inf)
-
-
 def per_token_losses(coeffs: Coefficients, lse, linear):
   """l_t = k_t lse_t + linear_t (0 where k_t = 0, whatever lse_t is)."""
   return jnp.where(coeffs.lse > 0, coeffs.lse * lse, 0.0) + linear
 
 
 def local_backward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds,
-                   coeffs: Coefficients, lse, scale, valid_rows=None):
+                   coeffs: Coefficients, lse, complement, scale, valid_rows=None):
   """float32 (dh, dE, db) of sum_t scale_t l_t through this table's rows.
 
   The dense sweep makes G_tv = g_t (k_t p_tv - u_t) on the softmax's items
   (the uniform part of label smoothing included, so excluded ids and padding
-  get none of it); the targets' -(1 - e) g_t r_t is a sparse scatter.
+  get none of it); the targets' columns are set to their whole gradient
+  (`target_columns`, from `complement` = 1 - p_tp `[T, L]` of `partition`).
   """
   g = scale.astype(jnp.float32)
-  columns = target_columns(call, hidden, table, bias, ids, coeffs, lse, g)
+  columns = target_columns(call, ids, coeffs, complement, g)
   hidden_grad, table_grad, bias_grad = sparse.rest_grads(hidden, table, bias is not None, columns)
   offset = g * coeffs.uniform if call.label_smoothing else None
   dense_hidden_grad, table_grad, bias_grad = call.kernels.softmax_backward(
@@ -196,26 +269,25 @@ def local_backward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds
   return hidden_grad + dense_hidden_grad, table_grad, bias_grad
 
 
-def target_columns(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds,
-                   coeffs: Coefficients, lse, g) -> sparse.SweepColumns:
+def target_columns(call: SoftmaxCall, ids: sparse.SparseIds, coeffs: Coefficients,
+                   complement, g) -> sparse.SweepColumns:
   """The targets' whole logit gradient, set in the backward sweep's tiles in float32.
 
-  G_tp = g_t (k_t p_tp - (1 - e) r_t - u_t), written k_t expm1(x_tp - lse_t)
-  + (k_t - (1 - e) r_t) - u_t: for one confident target (k = (1 - e) r = 1)
-  that is expm1(x - lse) = p - 1 to float32's relative precision, where
-  p - 1 from p ~ 1 - 1e-5 would lose most digits in float32 and all of
-  them once p is rounded to bfloat16 (`sparse.sweep_columns`). x_tp is the
-  target's own (gathered) logit.
+  G_tp = g_t (k_t p_tp - (1 - e) r_t - u_t), written -k_t (1 - p_tp)
+  + (k_t - (1 - e) r_t) - u_t with 1 - p_tp = `complement` from `partition`:
+  for one confident target (k = (1 - e) r = 1) that is -(1 - p), to
+  float32's relative precision, where p - 1 from p ~ 1 - 1e-5 would lose
+  most digits in float32 and all of them once p is rounded to bfloat16
+  (`sparse.sweep_columns`).
   """
-  x = sparse.gather_logits(hidden, table, bias, ids.target_ids)  # [T, L] f32
   k = coeffs.lse[:, None]
-  values = (g[:, None] * (k * jnp.expm1(x - lse[:, None]) + (k - coeffs.target[:, None]))
+  values = (g[:, None] * (-k * complement + (k - coeffs.target[:, None]))
             - (g * coeffs.uniform)[:, None])
   limit = getattr(call.kernels, "MAX_FIXED_COLUMNS", None)
   corrections = None
   if limit is not None and ids.target_ids.shape[-1] > limit:
     # Past the limit: the target part only, the tile keeps k p - u there.
-    corrections = jnp.broadcast_to(-(g * coeffs.target)[:, None], x.shape)
+    corrections = jnp.broadcast_to(-(g * coeffs.target)[:, None], complement.shape)
   return sparse.sweep_columns(ids.target_ids, ids.target_mask, values, corrections, limit)
 
 
@@ -234,24 +306,27 @@ def _per_token(call: SoftmaxCall, hidden, table, bias, ids):
 def _forward(call: SoftmaxCall, hidden, table, bias, ids):
   coeffs = coefficients(call, ids)
   local = local_forward(call, hidden, table, bias, ids, coeffs)
-  lse = log_partition(local.row_max, local.row_sum)
+  lse, complement = partition(local.row_max, local.row_sum, local.logits.target,
+                              ids.target_mask, separated_targets(call, ids))
   per_token = per_token_losses(coeffs, lse, local.linear)
   counts = None
   if call.with_counts:
     counts = sparse.token_counts(ids, local.logits, local.positive_count, call.num_items)
-  return (per_token, counts), lse
+  return (per_token, counts), (lse, complement)
 
 
 def _per_token_fwd(call: SoftmaxCall, hidden, table, bias, ids):
-  out, lse = _forward(call, hidden, table, bias, ids)
-  # Residuals: the inputs and lse_t [T]; the backward recomputes every tile.
-  return out, (hidden, table, bias, ids, lse)
+  out, (lse, complement) = _forward(call, hidden, table, bias, ids)
+  # Residuals: the inputs, lse_t [T] and 1 - p_tp [T, L]; the backward
+  # recomputes every tile.
+  return out, (hidden, table, bias, ids, lse, complement)
 
 
 def _per_token_bwd(call: SoftmaxCall, residuals, cotangents):
-  hidden, table, bias, ids, lse = residuals
+  hidden, table, bias, ids, lse, complement = residuals
   coeffs = coefficients(call, ids)
-  grads = local_backward(call, hidden, table, bias, ids, coeffs, lse, cotangents[0])
+  grads = local_backward(call, hidden, table, bias, ids, coeffs, lse, complement,
+                         cotangents[0])
   return _cast_grads(grads, hidden, table, bias) + (None,)
 
 

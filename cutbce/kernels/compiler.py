@@ -271,8 +271,9 @@ def kernel_call(kernel: str, *, num_tokens: int, vocab: int, dim: int, dtype, pl
 
   `kernel` is "forward" (sum of phi and counts), "backward" (dh, dE, db),
   "one_pass" (the backward kernel that also sums the loss and counts) or
-  "ranks". `args` are `jax.ShapeDtypeStruct`s placed on `device`, so
-  `jax.jit(fn).lower(*args).compile()` compiles for that device's chip.
+  "ranks"; the backward ones set `num_targets` fixed columns. `args` are
+  `jax.ShapeDtypeStruct`s placed on `device`, so `jax.jit(fn).lower(*args).compile()`
+  compiles for that device's chip.
   """
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -297,13 +298,17 @@ def kernel_call(kernel: str, *, num_tokens: int, vocab: int, dim: int, dtype, pl
   scale = spec((num_tokens,), jnp.float32)
   table_grad = spec((vocab, dim), jnp.float32)
   bias_grad = spec((vocab,), jnp.float32) if bias else None
+  # The targets' exact logit gradients, set in the tiles as `cut_bce` does.
+  fixed_ids = spec((num_tokens, num_targets), jnp.int32)
+  fixed_values = spec((num_tokens, num_targets), jnp.float32)
   if kernel == "backward":
-    def fn(h, e, b, g, de, db):
-      return tpu.backward(h, e, b, g, de, db, options=options, **static)
+    def fn(h, e, b, g, de, db, ids, values):
+      return tpu.backward(h, e, b, g, de, db, ids, values, options=options, **static)
   else:
-    def fn(h, e, b, g, de, db):
-      return tpu.forward_backward(h, e, b, g, de, db, with_counts=True, options=options, **static)
-  return fn, (hidden, table, bias_arg, scale, table_grad, bias_grad)
+    def fn(h, e, b, g, de, db, ids, values):
+      return tpu.forward_backward(h, e, b, g, de, db, ids, values, with_counts=True,
+                                  options=options, **static)
+  return fn, (hidden, table, bias_arg, scale, table_grad, bias_grad, fixed_ids, fixed_values)
 
 
 def compile_kernel(kernel: str, **kwargs):

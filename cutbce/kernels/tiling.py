@@ -100,6 +100,10 @@ BLOCK_V_CHOICES = (4096, 2048, 1024, 512, 256, 128)
 DEFAULT_CHIP = "v5e"
 # Targets per position the rank kernel's blocks are sized for (one lane tile).
 PLANNED_TARGETS = LANES
+# Fixed columns per position (`tpu.MAX_FIXED_COLUMNS` = 64: the targets' and
+# excluded ids' exact logit gradients) the backward's `[chunk, K]` blocks are
+# sized for: any K up to one lane tile takes the same VMEM.
+PLANNED_FIXED_COLUMNS = LANES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -268,6 +272,9 @@ def vmem_estimate(
     total += 2 * 2 * buffer_bytes(1, bv, 4)  # db input and output blocks [1, block_v], x2
     total += 2 * logit_tile  # logits and the scaled logit gradient
     total += buffer_bytes(bt, bv, s)  # logit gradient in the MXU dtype
+    # Fixed columns' ids (int32) and values (f32) [chunk, K], x2 buffers each
+    # (counted at one lane tile, K <= 128, whether or not a call passes them).
+    total += 2 * 2 * buffer_bytes(c, PLANNED_FIXED_COLUMNS, 4)
   elif kernel == "ranks":
     total += 3 * 2 * buffer_bytes(c, num_targets, 4)  # target logits, ids, counts [chunk, L], x2
     total += 2 * logit_tile  # logits and the comparison of one target
@@ -304,6 +311,14 @@ def _itemsize(dtype) -> int:
   return dtype.itemsize
 
 
+# TensorCores one device drives as one (megacore): Mosaic splits a kernel's
+# "parallel" grid dimensions between them, and the kernels' parallel
+# dimension is the token chunk, so a plan for these chips has at least this
+# many chunks wherever T spans that many `block_t` tiles (else one core idles).
+# TPU7x exposes each of its two TensorCores as its own device.
+MEGACORE_TENSOR_CORES = {"v4": 2, "v5p": 2}
+
+
 def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None = None,
                kernel: str | None = None, num_targets: int = PLANNED_TARGETS,
                extra_logit_tiles: int = 0) -> TilePlan:
@@ -315,6 +330,8 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
   the fewest token chunks (HBM traffic on the table), then the largest logit
   tile up to `MAX_LOGIT_TILE_BYTES`, then the widest `block_v` (fewer grid
   steps). Every candidate's VMEM is `vmem_estimate` of the heaviest kernel.
+  On a megacore chip (v4, v5p) a chunk holds at most 1/2 of the token tiles,
+  so both TensorCores get a chunk (`MEGACORE_TENSOR_CORES`).
 
   Args:
     num_tokens: T, positions after flattening.
@@ -361,10 +378,13 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
     for block_v in sorted({min(bv, vocab_padded) for bv in BLOCK_V_CHOICES if bv % mxu == 0}):
       if 4 * block_t * block_v > MAX_LOGIT_TILE_BYTES:
         continue
-      chunk = _largest_chunk(num_tokens, block_t, block_v, dim, itemsize, budget, sizing)
+      cores = MEGACORE_TENSOR_CORES.get(spec.name, 1)
+      chunk = _largest_chunk(num_tokens, block_t, block_v, dim, itemsize, budget, sizing,
+                             min_chunks=cores)
       if chunk is None:
         continue
-      key = (-(-num_tokens // chunk), -block_t * block_v, -block_v)
+      chunks = -(-num_tokens // chunk)
+      key = (chunks < cores, chunks, -block_t * block_v, -block_v)
       if best_key is None or key < best_key:
         best_key = key
         best = TilePlan(block_v=block_v, block_t=block_t, token_chunk=chunk,
@@ -382,9 +402,13 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
   return best
 
 
-def _largest_chunk(num_tokens, block_t, block_v, dim, itemsize, budget, sizing):
-  """Largest multiple of `block_t` (up to T rounded up) whose estimate fits, or None."""
-  most = _round_up(num_tokens, block_t) // block_t
+def _largest_chunk(num_tokens, block_t, block_v, dim, itemsize, budget, sizing, min_chunks=1):
+  """Largest multiple of `block_t` (up to T rounded up) whose estimate fits, or None.
+
+  At most 1/`min_chunks` of the token tiles (rounded up), so that T spanning
+  `min_chunks` tiles or more takes at least `min_chunks` chunks.
+  """
+  most = -(-(_round_up(num_tokens, block_t) // block_t) // min_chunks)
 
   def fits(multiple):
     plan = TilePlan(block_v=block_v, block_t=block_t, token_chunk=multiple * block_t)

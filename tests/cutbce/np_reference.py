@@ -178,7 +178,12 @@ def softmax_ce(hidden, table, targets, weights=None, bias=None, exclude=None, nu
     k, r = (n, 1.0) if target_reduction == "sum" else (float(n > 0), 1.0 / max(n, 1))
     q = (1 - label_smoothing) * r * labels[t, items] + label_smoothing * k / len(items)
     losses[t] = -(q * (x - log_z)).sum()
-    d_logits[t, items] = w[t] * (k * p - q)
+    grad = k * p - q
+    # At a target, k p - q = -k (1 - p) + (k - q) with 1 - p summed over the
+    # other items: exact in float64 even where p rounds to 1 (p = 1 - 1e-15).
+    for j in np.flatnonzero(labels[t, items]):
+      grad[j] = -k * np.sum(np.delete(p, j)) + (k - q[j])
+    d_logits[t, items] = w[t] * grad
     predicted, positive = logits[t] > 0, labels[t]
     counted = in_softmax[t]
     counts += w[t] * np.array([np.sum(counted & predicted & positive),

@@ -52,21 +52,13 @@ PLANS = {
 # ATOL allows two units of 2^-8 beyond the dense reference's own error.
 RTOL = 0.25
 ATOL = {jnp.float32: 2e-6, jnp.bfloat16: 2.0 ** -7}
-# Softmax targets up to p = 1 - 1.1e-5 (x = 7 over ~258 items at -10). Past
-# that, 1 - p nears float32's resolution of lse_t (~6e-8): the dense
-# reference (one reduction) keeps a few digits more than the tiled running
-# sum (one rounding per tile), see docs/loss.md, "Precision contract".
-SOFTMAX_MAX_LOGIT = 7.0
-# Not yet as accurate as dense there: lse_t - x_tp = log1p(1 - p) comes from
-# the tiled running sum, rounded once per vocabulary tile (measured: 4-5% of
-# the row at p = 1 - 1e-5, dense 0.6-2%). The strict rule is an expected
-# failure until the backward sums 1 - p itself; this bound still catches the
-# bfloat16 cancellation (100% and more before the fix).
-SOFTMAX_LSE_TOL = 0.06
-
+# Softmax targets over the same sweep: p up to 1 - 1e-15 (x = 30 over ~258
+# items at -10), 1 - 1.1e-5 at x = 7, 1 - 1e-6 near x = 9.4. The targets'
+# 1 - p is computed from their own logits against the rest's log-sum-exp
+# (`cutbce.softmax.partition`), never read off lse_t - x_tp.
 
 @functools.lru_cache(maxsize=None)
-def _raw_inputs(max_logit=None):
+def _raw_inputs():
   """float64 NumPy inputs: hidden, table, bias, targets, exclude, weights."""
   rng = np.random.default_rng(30)
   tokens = B * N
@@ -87,8 +79,7 @@ def _raw_inputs(max_logit=None):
   for t, item in enumerate(targets[:, 0]):
     # x_tp = TARGET_LOGITS[t] in float64 (before rounding to the dtype).
     rest = hidden[t] @ table[item] - table[item, 1 + t] + bias[item]
-    logit = TARGET_LOGITS[t] if max_logit is None else min(TARGET_LOGITS[t], max_logit)
-    table[item, 1 + t] = logit - rest
+    table[item, 1 + t] = TARGET_LOGITS[t] - rest
   targets[1, 1] = targets[1, 0]  # a repeat counts once
   targets[2, 2] = NUM_ITEMS + 1  # a padding row's id: not a target
   targets[3, 1] = 200  # a second (background-level) target
@@ -103,15 +94,15 @@ def _raw_inputs(max_logit=None):
           shape(exclude).astype(np.int32), shape(weights))
 
 
-def _inputs(dtype, max_logit=None):
-  hidden, table, bias, targets, exclude, weights = _raw_inputs(max_logit)
+def _inputs(dtype):
+  hidden, table, bias, targets, exclude, weights = _raw_inputs()
   return (jnp.asarray(hidden, dtype), jnp.asarray(table, dtype), jnp.asarray(bias, dtype),
           jnp.asarray(targets), jnp.asarray(exclude), jnp.asarray(weights, jnp.float32))
 
 
-def _grads(loss_fn, dtype, reduction="mean", max_logit=None, **kwargs):
+def _grads(loss_fn, dtype, reduction="mean", **kwargs):
   """float32 NumPy (dh, dE, db) of the weighted-mean loss of `loss_fn`."""
-  hidden, table, bias, targets, exclude, weights = _inputs(dtype, max_logit)
+  hidden, table, bias, targets, exclude, weights = _inputs(dtype)
 
   def loss(h, t, b):
     value = loss_fn(h, t, targets, weights, bias=b, exclude=exclude, num_items=NUM_ITEMS,
@@ -127,11 +118,19 @@ def _grads(loss_fn, dtype, reduction="mean", max_logit=None, **kwargs):
 
 
 @functools.lru_cache(maxsize=None)
+def _dense_grads(kind, dtype, options=()):
+  """`_grads` of the dense reference (computed once per kind, dtype and options)."""
+  if kind == "bce":
+    return _grads(cutbce.dense_bce, dtype, vocab_reduction="sum", **dict(options))
+  return _grads(cutbce.dense_softmax_ce, dtype)
+
+
+@functools.lru_cache(maxsize=None)
 def _oracle(kind, dtype, options=()):
   """float64 (dh, dE, db) on the inputs rounded to `dtype`."""
   hidden, table, bias, targets, exclude, weights = (
       np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x)
-      for x in _inputs(dtype, SOFTMAX_MAX_LOGIT if kind == "softmax" else None))
+      for x in _inputs(dtype))
   if kind == "bce":
     _, grads, _ = np_reference.bce(hidden, table, targets, weights, bias=bias, exclude=exclude,
                                    num_items=NUM_ITEMS, vocab_reduction="sum",
@@ -151,7 +150,7 @@ def _row_errors(got, want):
   return np.where(scale > 0, error / np.where(scale > 0, scale, 1.0), np.where(error > 0, np.inf, 0.0))
 
 
-def _check_no_worse_than_dense(got, dense, oracle, dtype, what, extra=0.0):
+def _check_no_worse_than_dense(got, dense, oracle, dtype, what):
   for name, g, d, o in zip(("dh", "dE", "db"), got, dense, oracle):
     o = np.asarray(o, np.float64)
     if name == "db":
@@ -160,7 +159,7 @@ def _check_no_worse_than_dense(got, dense, oracle, dtype, what, extra=0.0):
       g, d, o = (x.reshape(B * N, D) for x in (g, d, o))
     assert np.all(np.isfinite(g)), (what, name)
     cut_error, dense_error = _row_errors(g, o), _row_errors(d, o)
-    bound = dense_error * (1 + RTOL) + ATOL[dtype] + extra
+    bound = dense_error * (1 + RTOL) + ATOL[dtype]
     worst = int(np.argmax(cut_error - bound))
     assert np.all(cut_error <= bound), (
         f"{what} {name}: row {worst} error {cut_error[worst]:.3g} vs dense "
@@ -173,16 +172,12 @@ def _mesh():
 
 
 DTYPES = [jnp.float32, jnp.bfloat16]
-# The Pallas GPU kernels do not set fixed columns yet (MAX_FIXED_COLUMNS = 0).
-GPU_PENDING = pytest.mark.xfail(
-    reason="pallas_gpu: targets' terms are still sparse corrections to a rounded tile",
-    strict=False)
 DTYPE_IDS = ["f32", "bf16"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("route", ["xla", "xla-two-pass", "pallas_tpu",
-                                   pytest.param("pallas_gpu", marks=GPU_PENDING), "sharded"])
+                                   "pallas_gpu", "sharded"])
 def test_bce_confident_targets_as_accurate_as_dense(route, dtype):
   if route == "sharded":
     fn = functools.partial(sharded_cut_bce, mesh=_mesh(), token_axes=("data",),
@@ -192,13 +187,13 @@ def test_bce_confident_targets_as_accurate_as_dense(route, dtype):
     fn = functools.partial(cutbce.cut_bce, backend=backend, plan=PLANS[backend],
                            one_pass=not route.endswith("two-pass"))
   got = _grads(fn, dtype, vocab_reduction="sum")
-  dense = _grads(cutbce.dense_bce, dtype, vocab_reduction="sum")
-  _check_no_worse_than_dense(got, dense, _oracle("bce", dtype), dtype, f"cut_bce {route}")
+  _check_no_worse_than_dense(got, _dense_grads("bce", dtype), _oracle("bce", dtype), dtype,
+                             f"cut_bce {route}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("route", ["xla", "xla-none", "pallas_tpu",
-                                   pytest.param("pallas_gpu", marks=GPU_PENDING), "sharded"])
+                                   "pallas_gpu", "sharded"])
 def test_softmax_confident_targets_as_accurate_as_dense(route, dtype):
   reduction = "mean"
   if route == "sharded":
@@ -208,16 +203,9 @@ def test_softmax_confident_targets_as_accurate_as_dense(route, dtype):
     backend = route.split("-")[0]
     reduction = "none" if route.endswith("none") else "mean"
     fn = functools.partial(cutbce.cut_softmax_ce, backend=backend, plan=PLANS[backend])
-  got = _grads(fn, dtype, reduction=reduction, max_logit=SOFTMAX_MAX_LOGIT)
-  dense = _grads(cutbce.dense_softmax_ce, dtype, max_logit=SOFTMAX_MAX_LOGIT)
-  oracle = _oracle("softmax", dtype)
-  _check_no_worse_than_dense(got, dense, oracle, dtype, f"cut_softmax_ce {route}",
-                             extra=SOFTMAX_LSE_TOL)
-  if route != "pallas_gpu":
-    try:
-      _check_no_worse_than_dense(got, dense, oracle, dtype, f"cut_softmax_ce {route}")
-    except AssertionError as error:
-      pytest.xfail(f"strict rule, softmax: {error}")
+  got = _grads(fn, dtype, reduction=reduction)
+  _check_no_worse_than_dense(got, _dense_grads("softmax", dtype), _oracle("softmax", dtype),
+                             dtype, f"cut_softmax_ce {route}")
 
 
 VARIANTS = {
@@ -233,6 +221,6 @@ def test_bce_variants_confident_targets_bf16(variant):
   options = VARIANTS[variant]
   fn = functools.partial(cutbce.cut_bce, backend="xla", plan=PLANS["xla"])
   got = _grads(fn, jnp.bfloat16, vocab_reduction="sum", **dict(options))
-  dense = _grads(cutbce.dense_bce, jnp.bfloat16, vocab_reduction="sum", **dict(options))
+  dense = _dense_grads("bce", jnp.bfloat16, options)
   _check_no_worse_than_dense(got, dense, _oracle("bce", jnp.bfloat16, options), jnp.bfloat16,
                              f"cut_bce {variant}")

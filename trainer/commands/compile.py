@@ -49,7 +49,7 @@ def _define_flags() -> dict[str, Any]:
       "config": config_flags.DEFINE_config_file("config", None, "Trainer config file.",
                                                 lock_config=True),
       "topology": flags.DEFINE_string(
-          "topology", None, "TPU slice to compile for: v5e-8, v6e-8, v6e-16, v5p-8, ... (an "
+          "topology", None, "TPU slice to compile for: v5e-8, v6e-8, v6e-16, v5p-8, tpu7x-8, ... (an "
           "unknown name lists the known ones)."),
       "num_slices": flags.DEFINE_integer(
           "num_slices", 1, "Slices of --topology, joined over DCN (the config's mesh.dcn_shape "

@@ -303,12 +303,13 @@ def _forward(hidden, table, bias, *, plan, with_counts, options, num_items, inte
 
 
 def _hidden_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOptions,
-                        with_loss: bool, with_counts: bool):
+                        with_loss: bool, with_counts: bool, num_fixed: int = 0):
   refs = list(refs)
   hidden_ref = refs.pop(0)  # [T, D]
   scale_ref = refs.pop(0)  # [T] f32, g_t
   table_ref = refs.pop(0)  # [V, D]
   bias_ref = refs.pop(0) if has_bias else None  # [V] f32
+  fixed_refs = (refs.pop(0), refs.pop(0)) if num_fixed else None  # [T, K] int32, f32
   hidden_grad_ref = refs.pop(0)  # [splits, T, D] f32
   dense_ref = refs.pop(0) if with_loss else None  # [splits, T] f32
   count_ref = refs.pop(0) if with_counts else None  # [splits, T] int32
@@ -316,6 +317,7 @@ def _hidden_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOpti
   split = pl.program_id(1)
   hidden = _load_rows(hidden_ref, token_start, geom.block_t, geom.num_tokens, geom)
   scale = _load_vector(scale_ref, token_start, geom.block_t, geom.num_tokens)  # 0 past T
+  fixed = _load_fixed(fixed_refs, token_start, num_fixed, geom)
   compute_dtype = hidden.dtype
 
   def accumulate(tile, carry):
@@ -331,6 +333,7 @@ def _hidden_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOpti
     else:
       derivative = variants.tile_grad(options, logits)
     grad = jnp.where(valid, scale[:, None] * derivative, 0.0)  # [block_t, block_v] f32
+    grad = _set_fixed(grad, tile * geom.block_v, fixed, geom)  # exact terms, before the cast
     hidden_grad = hidden_grad + lax.dot_general(
         grad.astype(compute_dtype), table, NN_DIMS, preferred_element_type=jnp.float32
     )  # [block_t, D]
@@ -395,12 +398,14 @@ def _table_grad_outputs(refs: list, has_bias: bool):
   return table_grad_in, bias_grad_in, table_grad, bias_grad
 
 
-def _table_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOptions):
+def _table_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOptions,
+                       num_fixed: int = 0):
   refs = list(refs)
   hidden_ref = refs.pop(0)  # [T, D]
   scale_ref = refs.pop(0)  # [T] f32
   table_ref = refs.pop(0)  # [V, D]
   bias_ref = refs.pop(0) if has_bias else None  # [V] f32
+  fixed_refs = (refs.pop(0), refs.pop(0)) if num_fixed else None  # [T, K] int32, f32
   out_refs = _table_grad_outputs(refs, has_bias)
   vocab_start = pl.program_id(0) * geom.block_v
   table = _load_rows(table_ref, vocab_start, geom.block_v, geom.vocab, geom)  # [block_v, D]
@@ -410,7 +415,9 @@ def _table_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOptio
   def tile_grad(token_start, hidden):
     scale = _load_vector(scale_ref, token_start, geom.block_t, geom.num_tokens)  # 0 past T
     logits = _tile_logits(hidden, table, bias)  # [block_t, block_v] f32
-    return jnp.where(valid, scale[:, None] * variants.tile_grad(options, logits), 0.0)
+    grad = jnp.where(valid, scale[:, None] * variants.tile_grad(options, logits), 0.0)
+    return _set_fixed(grad, vocab_start, _load_fixed(fixed_refs, token_start, num_fixed, geom),
+                      geom)
 
   _table_grad_sweep(hidden_ref, out_refs, vocab_start, geom, has_bias, tile_grad)
 
@@ -420,10 +427,9 @@ def backward(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids=None,
              fixed_values=None, *, plan: TilePlan | None,
              options: LossOptions = variants.PLAIN, num_items: int | None = None):
   """dh `[T, D]` f32; `table_grad` (+ dense part) `[V, D]` f32; `bias_grad` `[V]` or None."""
-  _no_fixed_columns(fixed_ids)
-  _, _, *grads = _sweeps(hidden, table, bias, scale, table_grad, bias_grad, plan=plan,
-                         options=options, num_items=num_items, with_loss=False,
-                         with_counts=False)
+  _, _, *grads = _sweeps(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids,
+                         fixed_values, plan=plan, options=options, num_items=num_items,
+                         with_loss=False, with_counts=False)
   return tuple(grads)
 
 
@@ -435,37 +441,76 @@ def forward_backward(hidden, table, bias, scale, table_grad, bias_grad, fixed_id
 
   Returns (dense_sum [T] f32, positive_count [T] int32 or None, dh, table_grad, bias_grad).
   """
-  _no_fixed_columns(fixed_ids)
-  return _sweeps(hidden, table, bias, scale, table_grad, bias_grad, plan=plan, options=options,
-                 num_items=num_items, with_loss=True, with_counts=with_counts)
+  return _sweeps(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids, fixed_values,
+                 plan=plan, options=options, num_items=num_items, with_loss=True,
+                 with_counts=with_counts)
 
 
-def _no_fixed_columns(fixed_ids):
-  """These kernels set no fixed columns yet (`MAX_FIXED_COLUMNS = 0`): the callers keep
-  every target's term a sparse float32 correction, bfloat16's cancellation included."""
-  if fixed_ids is not None and fixed_ids.shape[-1]:
-    raise NotImplementedError("the Pallas GPU kernels take no fixed columns (MAX_FIXED_COLUMNS = 0)")
+def _fixed_operands(fixed_ids, fixed_values):
+  """(int32 `[T, K]` ids, f32 `[T, K]` values), or (None, None) without fixed columns (or K = 0).
+
+  Two operands of `_run`; the kernels' wrappers take them as the list `fixed`.
+  """
+  if fixed_ids is None or not fixed_ids.shape[-1]:
+    return None, None
+  if fixed_ids.shape[-1] > MAX_FIXED_COLUMNS:
+    raise NotImplementedError(
+        f"the Pallas GPU kernels set at most {MAX_FIXED_COLUMNS} fixed columns per position, "
+        f"got {fixed_ids.shape[-1]}")
+  return fixed_ids.astype(jnp.int32), fixed_values.astype(jnp.float32)
 
 
-def _sweeps(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, num_items,
-            with_loss, with_counts):
+def _fixed_list(fixed_ids, fixed_values):
+  return [] if fixed_ids is None else [fixed_ids, fixed_values]
+
+
+def _load_fixed(fixed_refs, token_start, num_fixed: int, geom: Geometry):
+  """The token tile's fixed columns: [(ids `[block_t]` int32, values `[block_t]` f32)] (-1 past T)."""
+  if not num_fixed:
+    return []
+  ids_ref, values_ref = fixed_refs
+  rows, rows_ok = pl.ds(token_start, geom.block_t), _token_rows_ok(token_start, geom)
+  return [(plgpu.load(ids_ref.at[rows, jnp.int32(k)], mask=rows_ok, other=-1),
+           plgpu.load(values_ref.at[rows, jnp.int32(k)], mask=rows_ok, other=0.0))
+          for k in range(num_fixed)]
+
+
+def _set_fixed(grad, vocab_start, fixed, geom: Geometry):
+  """`grad` `[block_t, block_v]` f32 with column fixed id - vocab_start of each row set to its value.
+
+  The targets' exact terms (see xla.py), set in float32 before the cast for
+  the dots. Ids are items (< num_items) or -1, so they never hit a masked column.
+  """
+  if not fixed:
+    return grad
+  column_ids = vocab_start + lax.broadcasted_iota(jnp.int32, (1, geom.block_v), 1)
+  for ids, values in fixed:  # K is small and static: unrolled
+    grad = jnp.where(column_ids == ids[:, None], values[:, None], grad)
+  return grad
+
+
+def _sweeps(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids, fixed_values, *, plan,
+            options, num_items, with_loss, with_counts):
+  fixed = _fixed_operands(fixed_ids, fixed_values)
   dense_sum, positive_count, hidden_grad = _run(
-      _hidden_grad, hidden, table, bias, scale, plan=plan, options=options,
+      _hidden_grad, hidden, table, bias, scale, *fixed, plan=plan, options=options,
       num_items=num_items, with_loss=with_loss, with_counts=with_counts)
   table_grad, bias_grad = _run(
-      _table_grad, hidden, table, bias, scale, table_grad, bias_grad, plan=plan,
+      _table_grad, hidden, table, bias, scale, *fixed, table_grad, bias_grad, plan=plan,
       options=options, num_items=num_items)
   return dense_sum, positive_count, hidden_grad, table_grad, bias_grad
 
 
-def _hidden_grad(hidden, table, bias, scale, *, plan, options, num_items, with_loss,
-                 with_counts, interpret):
+def _hidden_grad(hidden, table, bias, scale, fixed_ids, fixed_values, *, plan, options,
+                 num_items, with_loss, with_counts, interpret):
+  fixed = _fixed_list(fixed_ids, fixed_values)
   hidden, table, geom = _prepare(hidden, table, plan, "backward", num_items)
   num_tokens, dim = hidden.shape
   has_bias = bias is not None
   operands = [hidden, scale.astype(jnp.float32), table]
   if has_bias:
     operands.append(bias.astype(jnp.float32))
+  operands += fixed
   partial_shape = (geom.vocab_splits, num_tokens)
   out_shape = [jax.ShapeDtypeStruct(partial_shape + (dim,), jnp.float32)]
   if with_loss:
@@ -474,7 +519,8 @@ def _hidden_grad(hidden, table, bias, scale, *, plan, options, num_items, with_l
     out_shape.append(jax.ShapeDtypeStruct(partial_shape, jnp.int32))
   outputs = list(pl.pallas_call(
       functools.partial(_hidden_grad_kernel, geom=geom, has_bias=has_bias, options=options,
-                        with_loss=with_loss, with_counts=with_counts),
+                        with_loss=with_loss, with_counts=with_counts,
+                        num_fixed=fixed[0].shape[1] if fixed else 0),
       grid=(geom.num_token_tiles, geom.vocab_splits),
       out_shape=out_shape,
       compiler_params=_compiler_params(geom),
@@ -489,14 +535,16 @@ def _hidden_grad(hidden, table, bias, scale, *, plan, options, num_items, with_l
   return dense_sum, positive_count, hidden_grad
 
 
-def _table_grad(hidden, table, bias, scale, table_grad, bias_grad, *, plan, options, num_items,
-                interpret):
+def _table_grad(hidden, table, bias, scale, fixed_ids, fixed_values, table_grad, bias_grad, *,
+                plan, options, num_items, interpret):
+  fixed = _fixed_list(fixed_ids, fixed_values)
   hidden, table, geom = _prepare(hidden, table, plan, "table_grad", num_items)
   operands = [hidden, scale.astype(jnp.float32), table]
   if bias is not None:
     operands.append(bias.astype(jnp.float32))
+  operands += fixed
   kernel = functools.partial(_table_grad_kernel, geom=geom, has_bias=bias is not None,
-                             options=options)
+                             options=options, num_fixed=fixed[0].shape[1] if fixed else 0)
   return _call_table_grad(kernel, operands, table_grad, bias_grad, geom, interpret,
                           name=f"cutbce_gpu_de_bt{geom.block_t}_bv{geom.block_v}")
 
@@ -679,9 +727,10 @@ def _rank_counts(hidden, table, bias, target_logits, target_ids, *, plan, option
 # over them is unrolled); a wider `exclude` takes the XLA path under "auto"
 # and is refused under "pallas_gpu" (`cutbce.softmax.softmax_backend`).
 MAX_SOFTMAX_EXCLUDE = 32
-# Fixed columns (exact target terms set in f32, see xla.py): not yet in these
-# kernels; every target stays a sparse correction.
-MAX_FIXED_COLUMNS = 0
+# Fixed columns per position (exact target terms set in f32 before the cast,
+# see xla.py), compared per tile (unrolled); ids past it stay sparse
+# corrections (`sparse.sweep_columns`).
+MAX_FIXED_COLUMNS = 32
 # The running max starts here, as in the XLA path: a finite floor, so that a
 # tile of masked (-inf) logits gives exp(-inf - floor) = 0, never a NaN.
 SOFTMAX_FLOOR = float(jnp.finfo(jnp.float32).min)
@@ -824,32 +873,37 @@ class _BackwardOperands(NamedTuple):
   num_exclude: int
   has_limit: bool
   has_offset: bool
+  num_fixed: int = 0
 
 
-def _backward_operands(hidden, table, bias, exclude, limit, log_z, scale, offset):
+def _backward_operands(hidden, table, bias, exclude, limit, log_z, scale, offset, fixed):
   """(operand list, `_BackwardOperands`) of the softmax backward kernels, absent ones left out."""
   present = _BackwardOperands(bias is not None, 0 if exclude is None else exclude.shape[1],
-                              limit is not None, offset is not None)
+                              limit is not None, offset is not None,
+                              fixed[0].shape[1] if fixed else 0)
   operands = [hidden, table] + ([] if bias is None else [bias.astype(jnp.float32)])
   operands += [x for x in (exclude, limit, log_z, scale, offset) if x is not None]
-  return operands, present
+  return operands + fixed, present
 
 
 def _pop_backward_refs(refs: list, present: _BackwardOperands):
   """hidden `[T, D]`, table `[V, D]`, bias `[V]` f32, then the token side: exclude `[T, E]`
-  int32, limit `[T]` int32, log_z, scale, offset `[T]` f32 (None where absent)."""
+  int32, limit `[T]` int32, log_z, scale, offset `[T]` f32, fixed ids and values `[T, K]`
+  (None where absent)."""
   hidden, table = refs.pop(0), refs.pop(0)
   bias = refs.pop(0) if present.has_bias else None
   exclude = refs.pop(0) if present.num_exclude else None
   limit = refs.pop(0) if present.has_limit else None
   log_z, scale = refs.pop(0), refs.pop(0)
   offset = refs.pop(0) if present.has_offset else None
-  return hidden, table, bias, (exclude, limit, log_z, scale, offset)
+  fixed = (refs.pop(0), refs.pop(0)) if present.num_fixed else None
+  return hidden, table, bias, (exclude, limit, log_z, scale, offset, fixed)
 
 
 def _token_side(token_refs, token_start, present: _BackwardOperands, geom: Geometry):
-  """One token tile's (excluded id columns, limit, log_z, scale, offset); 0 or -1 past T."""
-  exclude_ref, limit_ref, log_z_ref, scale_ref, offset_ref = token_refs
+  """One token tile's (excluded id columns, limit, log_z, scale, offset, fixed columns);
+  0 or -1 past T."""
+  exclude_ref, limit_ref, log_z_ref, scale_ref, offset_ref, fixed_refs = token_refs
 
   def vector(ref):
     return None if ref is None else _load_vector(ref, token_start, geom.block_t,
@@ -857,7 +911,8 @@ def _token_side(token_refs, token_start, present: _BackwardOperands, geom: Geome
 
   excluded = (_load_excluded(exclude_ref, token_start, present.num_exclude, geom)
               if present.num_exclude else [])
-  return excluded, vector(limit_ref), vector(log_z_ref), vector(scale_ref), vector(offset_ref)
+  return (excluded, vector(limit_ref), vector(log_z_ref), vector(scale_ref), vector(offset_ref),
+          _load_fixed(fixed_refs, token_start, present.num_fixed, geom))
 
 
 def _softmax_hidden_grad_kernel(*refs, geom: Geometry, present: _BackwardOperands):
@@ -867,12 +922,14 @@ def _softmax_hidden_grad_kernel(*refs, geom: Geometry, present: _BackwardOperand
   token_start = pl.program_id(0) * geom.block_t
   split = pl.program_id(1)
   hidden = _load_rows(hidden_ref, token_start, geom.block_t, geom.num_tokens, geom)
-  excluded, limit, log_z, scale, offset = _token_side(token_refs, token_start, present, geom)
+  excluded, limit, log_z, scale, offset, fixed = _token_side(token_refs, token_start, present,
+                                                              geom)
 
   def accumulate(tile, hidden_grad):
     table, logits, valid = _vocab_step(table_ref, bias_ref, hidden, tile, geom)
     _, items = _softmax_columns(tile * geom.block_v, valid, limit, excluded, geom)
-    grad = _softmax_grad(logits, items, log_z, scale, offset)
+    grad = _set_fixed(_softmax_grad(logits, items, log_z, scale, offset), tile * geom.block_v,
+                      fixed, geom)
     return hidden_grad + lax.dot_general(
         grad.astype(hidden.dtype), table, NN_DIMS, preferred_element_type=jnp.float32)
 
@@ -893,10 +950,12 @@ def _softmax_table_grad_kernel(*refs, geom: Geometry, present: _BackwardOperands
   valid = _column_valid(vocab_start, geom)
 
   def tile_grad(token_start, hidden):
-    excluded, limit, log_z, scale, offset = _token_side(token_refs, token_start, present, geom)
+    excluded, limit, log_z, scale, offset, fixed = _token_side(token_refs, token_start,
+                                                                present, geom)
     _, items = _softmax_columns(vocab_start, valid, limit, excluded, geom)
     logits = _tile_logits(hidden, table, bias)  # [block_t, block_v] f32
-    return _softmax_grad(logits, items, log_z, scale, offset)
+    return _set_fixed(_softmax_grad(logits, items, log_z, scale, offset), vocab_start, fixed,
+                      geom)
 
   _table_grad_sweep(hidden_ref, out_refs, vocab_start, geom, present.has_bias, tile_grad)
 
@@ -911,23 +970,25 @@ def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad,
   elsewhere (the contract in `cutbce/kernels/xla.py`): a dh kernel over token
   tiles and a dE kernel over vocab tiles, 2 dots per tile each, as for BCE.
   """
-  _no_fixed_columns(fixed_ids)
   exclude, limit = _softmax_operands(hidden, exclude_ids, valid_rows)
   scale = scale.astype(jnp.float32)
   offset = None if offset is None else offset.astype(jnp.float32)
+  fixed = _fixed_operands(fixed_ids, fixed_values)
   hidden_grad = _run(_softmax_hidden_grad, hidden, table, bias, exclude, limit,
-                     log_z.astype(jnp.float32), scale, offset, plan=plan, num_items=num_items)
+                     log_z.astype(jnp.float32), scale, offset, *fixed, plan=plan,
+                     num_items=num_items)
   table_grad, bias_grad = _run(
       _softmax_table_grad, hidden, table, bias, exclude, limit, log_z.astype(jnp.float32),
-      scale, offset, table_grad, bias_grad, plan=plan, num_items=num_items)
+      scale, offset, *fixed, table_grad, bias_grad, plan=plan, num_items=num_items)
   return hidden_grad, table_grad, bias_grad
 
 
-def _softmax_hidden_grad(hidden, table, bias, exclude, limit, log_z, scale, offset, *, plan,
-                         num_items, interpret):
+def _softmax_hidden_grad(hidden, table, bias, exclude, limit, log_z, scale, offset, fixed_ids,
+                         fixed_values, *, plan, num_items, interpret):
+  fixed = _fixed_list(fixed_ids, fixed_values)
   hidden, table, geom = _prepare(hidden, table, plan, "backward", num_items)
   operands, present = _backward_operands(hidden, table, bias, exclude, limit, log_z, scale,
-                                         offset)
+                                         offset, fixed)
   partial = pl.pallas_call(
       functools.partial(_softmax_hidden_grad_kernel, geom=geom, present=present),
       grid=(geom.num_token_tiles, geom.vocab_splits),
@@ -939,11 +1000,12 @@ def _softmax_hidden_grad(hidden, table, bias, exclude, limit, log_z, scale, offs
   return jnp.sum(partial, axis=0)
 
 
-def _softmax_table_grad(hidden, table, bias, exclude, limit, log_z, scale, offset, table_grad,
-                        bias_grad, *, plan, num_items, interpret):
+def _softmax_table_grad(hidden, table, bias, exclude, limit, log_z, scale, offset, fixed_ids,
+                        fixed_values, table_grad, bias_grad, *, plan, num_items, interpret):
+  fixed = _fixed_list(fixed_ids, fixed_values)
   hidden, table, geom = _prepare(hidden, table, plan, "table_grad", num_items)
   operands, present = _backward_operands(hidden, table, bias, exclude, limit, log_z, scale,
-                                         offset)
+                                         offset, fixed)
   kernel = functools.partial(_softmax_table_grad_kernel, geom=geom, present=present)
   return _call_table_grad(kernel, operands, table_grad, bias_grad, geom, interpret,
                           name=f"cutbce_gpu_softmax_de_bt{geom.block_t}_bv{geom.block_v}")

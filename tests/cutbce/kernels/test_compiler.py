@@ -1,5 +1,8 @@
 """`cutbce.kernels.compiler`: named slices and what the TPU compiler reports, parsed."""
 
+import re
+
+import jax.numpy as jnp
 import pytest
 
 from cutbce.kernels import compiler, tiling
@@ -79,3 +82,27 @@ def test_a_slice_libtpu_does_not_know_is_one_clear_error(monkeypatch):
   message = str(error.value)
   assert "\n" not in message and "tpu7x:2x2x1" in message and "libtpu" in message
   assert "jax 0.12.0.1" in message and "Unknown topology" in message
+
+
+@pytest.mark.parametrize("chip", ["v4", "v5p"])
+def test_megacore_plans_give_both_tensor_cores_a_chunk(chip):
+  for tokens in (200, 4096, 65_536):
+    plan = tiling.plan_tiles(tokens, 131_072, 128, "bfloat16", chip=chip)
+    assert -(-tokens // plan.token_chunk) >= 2, (chip, tokens, plan)
+  # One block_t tile of tokens cannot be split.
+  assert tiling.plan_tiles(100, 131_072, 128, "bfloat16", chip=chip).token_chunk >= 100
+  # Chips whose devices are one TensorCore keep the single chunk.
+  assert tiling.plan_tiles(4096, 131_072, 128, "bfloat16", chip="v6e").token_chunk == 4096
+
+
+@pytest.mark.skipif(NO_LIBTPU, reason="libtpu missing: pip install 'cutbce[tpu]'")
+def test_megacore_kernel_compiles_with_two_parallel_chunks():
+  # The kernel's name carries its chunk; its grid's first ("parallel") axis is T / chunk.
+  tokens = 4096
+  plan = tiling.plan_tiles(tokens, 131_072, 128, "bfloat16", chip="v5p", kernel="forward")
+  compiled = compiler.compile_kernel("forward", num_tokens=tokens, vocab=131_072, dim=128,
+                                     dtype=jnp.bfloat16, plan=plan,
+                                     device=compiler.topology_devices("v5p-8")[0])
+  [name] = compiler.mosaic_kernels(compiled)
+  chunk = int(re.search(r"_chunk(\d+)", name).group(1))
+  assert -(-tokens // chunk) >= 2, name

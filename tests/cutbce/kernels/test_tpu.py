@@ -292,8 +292,10 @@ def test_same_function_runs_on_cpu_and_exports_for_tpu(backend):
   np.testing.assert_array_equal(
       np.asarray(ranks), np.asarray(cutbce.target_ranks(*args, backend="xla")))
   text = exported.mlir_module()
-  # Mosaic kernels: one pass for the loss and its gradients (reduction "mean"), and ranks.
-  assert text.count("tpu_custom_call") == 2 and "cutbce_ranks" in text
+  # Mosaic kernels: one pass for the loss and its gradients (reduction "mean"), and
+  # ranks (the targets' logits from the rank tiles, then the counts).
+  assert text.count("tpu_custom_call") == 3 and "cutbce_ranks" in text
+  assert "cutbce_rank_logits" in text
   assert "cutbce_backward" in text and "cutbce_forward_bt" not in text
   assert "tpu_custom_call" not in cpu_text  # the CPU program holds no Mosaic kernel
 

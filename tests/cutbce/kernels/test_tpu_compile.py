@@ -104,7 +104,9 @@ def test_loss_gradients_and_ranks_compile_for_tpu(case):
   one_pass = reduction != "none"
   want = ["cutbce_backward"] if one_pass else ["cutbce_forward", "cutbce_backward"]
   assert sorted(k.split("_bt")[0] for k in kernels) == sorted(want), kernels
-  assert [k.split("_bt")[0] for k in compiler.mosaic_kernels(compiled_ranks)] == ["cutbce_ranks"]
+  # Ranks: the targets' logits read from the rank tiles (exact ties), then the counts.
+  assert sorted(k.split("_bt")[0] for k in compiler.mosaic_kernels(compiled_ranks)) == [
+      "cutbce_rank_logits", "cutbce_ranks"]
   # The kernels carry the plan of the chip compiled for (block_v a multiple
   # of its MXU width), not of this host.
   mxu = tiling.chip_spec(chip).mxu_column_size
@@ -153,7 +155,7 @@ def test_sharded_op_on_a_v6e_2x4_mesh_compiles_with_collectives_outside_the_loop
     compiled = jax.jit(step).lower(*args).compile()
   text = compiled.as_text()
   names = [k.split("_bt")[0] for k in compiler.mosaic_kernels(compiled)]
-  assert sorted(names) == ["cutbce_backward", "cutbce_ranks"], names
+  assert sorted(names) == ["cutbce_backward", "cutbce_rank_logits", "cutbce_ranks"], names
   report = hlo.collective_report(text)
   assert report.count >= 3 and not report.in_loop, report
   # Per chip: 8 x 512 / 8 tokens, gathered over "model" -> 2,048; V / 4 rows.
