@@ -41,7 +41,12 @@ def cut_bce(
     hidden: `[..., D]` float32 or bfloat16 hidden states (usually `[B, N, D]`).
     table: `[V, D]` item table.
     targets: int `[..., L]` positive ids; any id outside [0, num_items) is
-      padding (use -1); an id repeated in a row counts once.
+      padding (use -1); an id repeated in a row counts once. The range is
+      checked in the type this function receives: under `jax.jit` with x64
+      off, jax has already converted an int64 NumPy argument to int32 by
+      wrapping, so an id of 2^32 + 5 arrives as item 5, not as padding
+      (eagerly it is padding). Check wider ids on the host before the jitted
+      call (ids of a catalog fit int32: V < 2^31).
     weights: optional float `[...]` per position; 0 drops a position entirely
       (a NaN or inf hidden row of weight 0 changes nothing). Weights get no
       gradient.
@@ -185,7 +190,10 @@ def target_ranks(hidden, table, targets, *, bias=None, exclude=None, backend="au
 
   Args:
     hidden: `[..., D]`; table: `[V, D]`; targets: int `[..., L]` (padding as
-      in `cut_bce`); bias: optional `[V]`; exclude: optional int `[..., E]`.
+      in `cut_bce`; as there, an int64 NumPy id >= 2^31 passed to a jitted
+      caller with x64 off arrives already wrapped to int32, an item, not
+      padding: check it on the host); bias: optional `[V]`; exclude: optional
+      int `[..., E]` (the same).
     backend, plan, num_items: as in `cut_bce` (rows past `num_items` are never
       ranked).
     logit_soft_cap: c > 0 ranks by the capped logit c tanh(x / c), as a model

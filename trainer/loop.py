@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 from trainer import checkpoint, data as data_lib, evaluate, fingerprint, logs, paths
 from trainer import train as train_lib
 from trainer.config import keys as config_keys, mesh as config_mesh, saved as saved_config, schema
-from trainer.data import prepare as prepare_lib
+from trainer.data import ids as data_ids, prepare as prepare_lib
 
 
 class NonFiniteLossError(RuntimeError):
@@ -204,6 +204,7 @@ class Trainer:
     self.writer = logs.MetricWriter(workdir)
 
   def to_global(self, batch):
+    data_ids.check_int32(batch)  # jit would wrap wider ids (trainer/data/ids.py)
     return data_lib.to_global_arrays(batch, self.batch_sharding)
 
   def step_number(self) -> int:

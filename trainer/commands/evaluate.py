@@ -19,13 +19,20 @@ The evaluation itself (the step, combining batches, the table) is
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
 from trainer import data as data_lib
+from trainer.data import ids as data_ids
 from trainer import evaluate as evaluate_lib
 from trainer import train as train_lib
 from trainer.commands import cli
+
+
+def _to_global(batch, *, sharding):
+  data_ids.check_int32(batch)  # jit would wrap wider ids (trainer/data/ids.py)
+  return data_lib.to_global_arrays(batch, sharding)
 
 
 def _command(values) -> int:
@@ -45,7 +52,7 @@ def _command(values) -> int:
     progress = cli.Progress(f"evaluating {split}", len(batches), "batches")
     results[split] = evaluate_lib.evaluate(
         step_fn, run.params, iter(batches),
-        lambda batch: data_lib.to_global_arrays(batch, sharding), progress=progress)
+        functools.partial(_to_global, sharding=sharding), progress=progress)
   print(evaluate_lib.format_table(results, ks))
   print(json.dumps({"workdir": run.workdir, "checkpoint": run.which, "step": run.step,
                     "metrics": results}), flush=True)

@@ -45,6 +45,7 @@ from trainer import data as data_lib
 from trainer.commands import cli
 from trainer import train as train_lib
 from trainer.config import budget
+from trainer.data import ids as data_ids
 from trainer.config.schema import ConfigError
 
 _MIN_EXCLUDE = 8
@@ -162,6 +163,7 @@ def recommend(run, users: np.ndarray, *, k: int, include_seen: bool, batch_size:
     padded = np.concatenate([chunk, np.full(batch_size - chunk.shape[0], chunk[0])])
     width = None if include_seen else exclude_width(data, chunk, k)
     batch = history_batch(data, padded, seq_len=run.config.seq_len, exclude_width=width)
+    data_ids.check_int32(batch)  # jit would wrap wider ids (trainer/data/ids.py)
     scores, ids = jax.device_get(step(run.params, data_lib.to_global_arrays(batch, sharding)))
     raw_users = data.user_ids[chunk].tolist()
     raw_items = data.item_ids[ids[:chunk.shape[0]]].tolist()
