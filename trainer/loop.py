@@ -34,7 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from trainer import checkpoint, data as data_lib, evaluate, fingerprint, logs, paths
-from trainer import train as train_lib
+from trainer import train as train_lib, workdir_lock
 from trainer.config import keys as config_keys, mesh as config_mesh, saved as saved_config, schema
 from trainer.data import ids as data_ids, prepare as prepare_lib
 
@@ -148,17 +148,24 @@ class Trainer:
     config_mesh.check_config(config, workdir=workdir)
     self.config = config
     self.workdir = paths.as_path(workdir)
-    self.manager = checkpoint.make_manager(self.workdir / "checkpoints",
-                                           config.max_checkpoints,
-                                           best_metric=config.checkpoint.best_metric,
-                                           save_interval_steps=config.checkpoint_every,
-                                           cleanup_tmp=True)
+    # A writable directory no other live trainer holds, before anything is written.
+    self.lock = workdir_lock.acquire(workdir, process_index=jax.process_index())
+    try:
+      self.manager = checkpoint.make_manager(self.workdir / "checkpoints",
+                                             config.max_checkpoints,
+                                             best_metric=config.checkpoint.best_metric,
+                                             save_interval_steps=config.checkpoint_every,
+                                             cleanup_tmp=True)
+    except BaseException:
+      self.lock.release()
+      raise
     try:
       self._build(config, workdir, allow_config_change)
     except BaseException:
       # Close the manager (its threads) before the error ends the process: an
       # open one logs a traceback from orbax at interpreter shutdown.
       self.manager.close()
+      self.lock.release()
       raise
 
   def _build(self, config, workdir: str, allow_config_change: bool):
@@ -467,6 +474,7 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
     preemption.close()
     trainer.writer.close()
     trainer.manager.close()
+    trainer.lock.release()
 
 
 def final_params(workdir: str | os.PathLike):

@@ -70,7 +70,7 @@ def main(argv):
                                process_id=_PROCESS_ID.value)
   elif _DISTRIBUTED.value:
     jax.distributed.initialize()
-  from trainer import loop  # pylint: disable=import-outside-toplevel
+  from trainer import loop, workdir_lock  # pylint: disable=import-outside-toplevel
   from trainer.config import mesh as config_mesh, schema  # pylint: disable=import-outside-toplevel
   from trainer.data import movielens, sources  # pylint: disable=import-outside-toplevel
   # Every value, before data preparation and before any trace.
@@ -80,6 +80,10 @@ def main(argv):
                             allow_config_change=_ALLOW_CONFIG_CHANGE.value)
   except schema.ConfigError as error:
     _bad_config(error)
+  except workdir_lock.WorkdirError as error:
+    # A workdir that is a file, not writable, or held by a live trainer.
+    print(f"workdir unusable: {error}", file=sys.stderr)
+    sys.exit(2)
   except (movielens.RegistryUnavailableError, FileNotFoundError) as error:
     # The dataset cannot be had (no registry and no cache, or missing files):
     # one line naming what is missing, not a traceback.
