@@ -18,6 +18,7 @@ in-process; `app_main(main)` is the `__main__` / console-script entry.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from typing import Any, NoReturn
 
 from absl import app, flags, logging
 
-from trainer import logs
+from trainer import logs, paths
 from trainer.config import keys as config_keys, schema
 from trainer.config.keys import flag_name
 
@@ -97,6 +98,56 @@ def parse(argv: Sequence[str], command: str) -> dict[str, Any]:
             for path in index if parsed[path].value is not None}
   schema.check(values, keys, config_keys.COMMAND_RULES, name=flag_name)
   return values
+
+
+def _probe(folder: str, flag: str, path: str) -> None:
+  probe = os.path.join(folder, f".write-test-{os.getpid()}")
+  try:
+    with open(probe, "w", encoding="utf-8") as file:
+      file.write("ok")
+    os.unlink(probe)
+  except OSError as error:
+    raise schema.ConfigError(f"{flag}={path}: cannot write in {folder} "
+                             f"({error.strerror or error})") from None
+
+
+def _make_folder(folder: str, flag: str, path: str) -> None:
+  if os.path.exists(folder) and not os.path.isdir(folder):
+    raise schema.ConfigError(f"{flag}={path}: {folder} is a file, not a folder")
+  try:
+    os.makedirs(folder, exist_ok=True)
+  except OSError as error:
+    raise schema.ConfigError(f"{flag}={path}: cannot create {folder} "
+                             f"({error.strerror or error})") from None
+
+
+def check_out_file(path: str, flag: str = "--out") -> None:
+  """Before any work: `path` can be written as a file (its folder made if needed).
+
+  Remote paths (gs://) are not checked. Raises `schema.ConfigError`, one line:
+  a folder at `path`, a parent that is a file, or a folder that cannot be
+  created or written.
+  """
+  if paths.is_remote(path):
+    return
+  if os.path.isdir(path):
+    raise schema.ConfigError(f"{flag}={path}: a file to write (this path is a folder)")
+  folder = os.path.dirname(os.path.abspath(path))
+  _make_folder(folder, flag, path)
+  _probe(folder, flag, path)
+
+
+def check_out_folder(path: str, flag: str = "--out") -> None:
+  """Before any work: `path` is (or can be made) a folder this user can write.
+
+  Remote paths (gs://) are not checked. Raises `schema.ConfigError`, one line.
+  """
+  if paths.is_remote(path):
+    return
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise schema.ConfigError(f"{flag}={path}: a folder (this path is a file)")
+  _make_folder(path, flag, path)
+  _probe(path, flag, path)
 
 
 def _explain(message: str, keys) -> str:

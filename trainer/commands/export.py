@@ -223,6 +223,7 @@ def export_run(run, out: str | os.PathLike) -> dict:
 def _command(values) -> int:
   from trainer.commands import cli  # pylint: disable=import-outside-toplevel
   from trainer.commands import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+  cli.check_out_folder(values["out"])  # a file or an unwritable place: one line, no work
   run = workdir_lib.open_run(values["workdir"], which=values["checkpoint"],
                              step=values.get("step"), say=cli.notice)
   manifest = export_run(run, values["out"])

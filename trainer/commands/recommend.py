@@ -198,6 +198,7 @@ def _batch_size(run, requested: int | None, *, num_users: int) -> int:
 
 def _command(values) -> int:
   from trainer.commands import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+  cli.check_out_file(values["out"])  # a folder or an unwritable place: one line, no work
   run = workdir_lib.open_run(values["workdir"], which=values["checkpoint"],
                              step=values.get("step"), say=cli.notice)
   data, k = run.data, values["top_k"]
