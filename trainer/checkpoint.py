@@ -196,6 +196,68 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state, iterator)
   return restored.state
 
 
+class CheckpointError(Exception):
+  """No checkpoint of the run can be restored: one line naming each step tried."""
+
+
+CORRUPTED_DIR = "corrupted_checkpoints"  # beside checkpoints/: what a fallback set aside
+
+
+def cause(error: BaseException) -> str:
+  """The first line of an orbax / tensorstore error, short enough for one line."""
+  text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+  text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+  return text if len(text) <= 200 else text[:197] + "..."
+
+
+def restore_newest(manager: ocp.CheckpointManager, abstract_state, iterator, *,
+                   say=print) -> tuple[object, int]:
+  """Restores the newest checkpoint that reads; returns `(state, step)`.
+
+  A checkpoint whose files are truncated or corrupted (orbax commits a step
+  only once it is written, so this is damage after the fact: a disk error, a
+  copy cut short) is named with its step, and the previous one is tried. When
+  an older one restores, the unreadable newer ones are moved to
+  WORKDIR/corrupted_checkpoints/<step> (kept for inspection, out of the
+  manager's way, so training can save those steps again) and a warning says
+  so. With several processes nothing is moved (they would race): the error
+  names the step to set aside by hand.
+
+  Raises:
+    CheckpointError: no checkpoint restores (each step and its cause named;
+      a config whose shapes differ from the checkpoints' fails here too, and
+      then nothing is moved).
+  """
+  directory = paths.as_path(manager.directory)
+  failed = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    try:
+      state = restore(manager, step, abstract_state, iterator)
+    except Exception as error:  # pylint: disable=broad-except  (orbax raises many kinds)
+      failed.append((step, cause(error)))
+      if jax.process_count() > 1:
+        raise CheckpointError(
+            f"the checkpoint of step {step} in {directory} cannot be restored "
+            f"({failed[-1][1]}); move {directory / str(step)} aside to resume from the "
+            "previous one") from None
+      say(f"warning: the checkpoint of step {step} cannot be restored ({failed[-1][1]}); "
+          "trying the previous one")
+      continue
+    if failed:
+      aside = directory.parent / CORRUPTED_DIR
+      aside.mkdir(parents=True, exist_ok=True)
+      for bad, _ in failed:
+        (directory / str(bad)).rename(aside / str(bad))
+      manager.reload()
+      say(f"warning: resumed from the checkpoint of step {step}, the newest that restores; "
+          f"unreadable step(s) {', '.join(str(bad) for bad, _ in failed)} moved to {aside}")
+    return state, step
+  tried = "; ".join(f"step {bad}: {why}" for bad, why in failed)
+  raise CheckpointError(f"no checkpoint in {directory} restores into this run's state "
+                        f"({tried}): corrupted files, or a config whose shapes differ "
+                        "from the checkpoints'")
+
+
 def _preemption_sync_manager_running() -> bool:
   """Whether JAX's preemption sync manager runs in this process.
 

@@ -203,7 +203,9 @@ class Trainer:
     if latest is None:
       self.state = plan.init()
     else:  # Straight into the target shardings; no fresh state is ever built.
-      self.state = checkpoint.restore(self.manager, latest, plan.abstract, self.iterator)
+      # The newest checkpoint that reads; a corrupted one is named and skipped.
+      self.state, latest = checkpoint.restore_newest(self.manager, plan.abstract,
+                                                     self.iterator, say=logs.say)
       logs.say(f"resumed from the checkpoint of step {latest}")
     record_config(config, workdir)
     if jax.process_index() == 0:

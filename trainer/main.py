@@ -70,7 +70,7 @@ def main(argv):
                                process_id=_PROCESS_ID.value)
   elif _DISTRIBUTED.value:
     jax.distributed.initialize()
-  from trainer import loop, workdir_lock  # pylint: disable=import-outside-toplevel
+  from trainer import checkpoint, loop, workdir_lock  # pylint: disable=import-outside-toplevel
   from trainer.config import mesh as config_mesh, schema  # pylint: disable=import-outside-toplevel
   from trainer.data import movielens, sources  # pylint: disable=import-outside-toplevel
   # Every value, before data preparation and before any trace.
@@ -80,6 +80,9 @@ def main(argv):
                             allow_config_change=_ALLOW_CONFIG_CHANGE.value)
   except schema.ConfigError as error:
     _bad_config(error)
+  except checkpoint.CheckpointError as error:
+    print(f"checkpoint unreadable: {error}", file=sys.stderr)
+    sys.exit(2)
   except workdir_lock.WorkdirError as error:
     # A workdir that is a file, not writable, or held by a live trainer.
     print(f"workdir unusable: {error}", file=sys.stderr)

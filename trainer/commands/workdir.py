@@ -102,6 +102,20 @@ def choose_step(workdir: str, best_metric: str | None, which: str = "best",
     manager.close()
 
 
+def _unreadable(workdir, step: int, error: BaseException) -> str:
+  """One line: the checkpoint of `step` cannot be read, and the previous one to try."""
+  manager = checkpoint.make_manager(checkpoints_dir(workdir), None)
+  try:
+    older = [s for s in manager.all_steps() if s < step]
+  finally:
+    manager.close()
+  offer = (f"pass --step={max(older)} for the previous one" if older
+           else "no older checkpoint is kept")
+  return (f"the checkpoint of step {step} in {checkpoints_dir(workdir)} cannot be read "
+          f"({checkpoint.cause(error)}): corrupted files, or a config whose shapes differ; "
+          f"{offer}")
+
+
 def command_mesh(config, say: Callable[[str], None] = print
                  ) -> tuple[Mesh, tuple[str, ...], str | None]:
   """`(mesh, token_axes, vocab_axis)`: the run's mesh, or all devices on one data axis."""
@@ -152,8 +166,11 @@ def open_run(workdir: str, *, which: str = "best", step: int | None = None,
   mesh, token_axes, vocab_axis = command_mesh(config, say)
   graphdef, abstract = _abstract_params(config, data.num_items)
   shardings = train_lib.state_shardings(abstract, mesh, vocab_axis)
-  params = checkpoint.restore_params(checkpoints_dir(workdir), step,
-                                     train_lib.abstract_state(abstract, shardings))
+  try:
+    params = checkpoint.restore_params(checkpoints_dir(workdir), step,
+                                       train_lib.abstract_state(abstract, shardings))
+  except Exception as error:  # pylint: disable=broad-except  (orbax raises many kinds)
+    raise ConfigError(_unreadable(workdir, step, error)) from None
   settings = train_lib.StepSettings(
       mesh=mesh, token_axes=token_axes, vocab_axis=vocab_axis, num_items=data.num_items,
       seed=config.seed, backend=config.eval.backend, vocab_reduction=config.loss.vocab_reduction)
