@@ -196,6 +196,38 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state, iterator)
   return restored.state
 
 
+class DiskFullError(Exception):
+  """Too little free space for the next checkpoint: one line, checked before writing."""
+
+
+def check_free_space(directory, step: int, state, *, latest: int | None) -> None:
+  """Raises `DiskFullError` when the file system of `directory` cannot hold a checkpoint.
+
+  A checkpoint holds every array of the state once (orbax writes them
+  uncompressed), so it needs up to the state's bytes, plus 1 MiB of metadata
+  and the iterator's position. Checked by a single process on a local
+  folder only (processes of a multi-host run would have to agree to skip a
+  save; object storage has no free-space figure). Without this check a full
+  disk shows as hundreds of lines of orbax and tensorstore errors from its
+  writer threads, the cause somewhere among them.
+  """
+  if paths.is_remote(directory) or jax.process_count() > 1:
+    return
+  import shutil  # pylint: disable=import-outside-toplevel
+  folder = os.fspath(directory)
+  while not os.path.isdir(folder):
+    folder = os.path.dirname(folder) or "."
+  free = shutil.disk_usage(folder).free
+  need = sum(int(leaf.nbytes) for leaf in jax.tree.leaves(state)) + 2**20
+  if free < need:
+    kept = (f"the checkpoint of step {latest} is whole" if latest is not None
+            else "no checkpoint was saved yet")
+    raise DiskFullError(
+        f"no space for the checkpoint of step {step}: {free / 2**20:,.1f} MiB free on the "
+        f"file system of {directory}, a checkpoint needs up to {need / 2**20:,.1f} MiB; "
+        f"{kept}: free space (or lower max_checkpoints) and resume")
+
+
 class CheckpointError(Exception):
   """No checkpoint of the run can be restored: one line naming each step tried."""
 

@@ -226,6 +226,9 @@ class Trainer:
     The state must be known finite (see `train_and_evaluate`): the caller
     checks the step's flag first.
     """
+    # A full disk is one line before orbax writes anything, not its threads' errors.
+    checkpoint.check_free_space(self.workdir / "checkpoints", step, self.state,
+                                latest=checkpoint.latest_step(self.manager))
     checkpoint.save(self.manager, step, self.state, self.iterator, metrics, wait=wait)
 
   def run_eval(self, step: int, split: str, *, periodic: bool = True,

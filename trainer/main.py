@@ -19,6 +19,7 @@ evaluation keys may change freely (`trainer/config/saved.py`).
 
 from __future__ import annotations
 
+import errno
 import sys
 
 from absl import app, flags, logging
@@ -80,6 +81,9 @@ def main(argv):
                             allow_config_change=_ALLOW_CONFIG_CHANGE.value)
   except schema.ConfigError as error:
     _bad_config(error)
+  except checkpoint.DiskFullError as error:
+    print(f"disk full: {error}", file=sys.stderr)
+    sys.exit(1)
   except checkpoint.CheckpointError as error:
     print(f"checkpoint unreadable: {error}", file=sys.stderr)
     sys.exit(2)
@@ -103,6 +107,12 @@ def main(argv):
     logging.error("%s", error)
     print(str(error), file=sys.stderr)
     sys.exit(3)
+  except OSError as error:
+    if error.errno != errno.ENOSPC:
+      raise
+    # Another file than a checkpoint (metrics, config, prepared data): the cause, in one line.
+    print(f"disk full: {error}", file=sys.stderr)
+    sys.exit(1)
 
 
 def run() -> None:
