@@ -106,3 +106,18 @@ def test_megacore_kernel_compiles_with_two_parallel_chunks():
   [name] = compiler.mosaic_kernels(compiled)
   chunk = int(re.search(r"_chunk(\d+)", name).group(1))
   assert -(-tokens // chunk) >= 2, name
+
+
+@pytest.mark.skipif(NO_LIBTPU, reason="libtpu missing: pip install 'cutbce[tpu]'")
+@pytest.mark.parametrize("kernel", ["forward", "ranks"])
+def test_planned_kernels_compile_for_tpu7x(kernel):
+  # One TensorCore of an Ironwood chip: 64 MiB of VMEM, a 256-wide MXU.
+  spec = tiling.chip_spec("7x")
+  assert spec.vmem_capacity_bytes == 64 * 2**20 and spec.mxu_column_size == 256
+  plan = tiling.plan_tiles(4096, 131_072, 128, "bfloat16", chip="7x", kernel=kernel,
+                           num_targets=8)
+  device = compiler.chip_device("7x")
+  assert compiler.chip_of(device) == "7x"
+  compiled = compiler.compile_kernel(kernel, num_tokens=4096, vocab=131_072, dim=128,
+                                     dtype=jnp.bfloat16, plan=plan, device=device)
+  assert len(compiler.mosaic_kernels(compiled)) == 1
