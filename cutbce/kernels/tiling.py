@@ -133,6 +133,14 @@ _FALLBACK_CHIPS = {
     "v6e": ChipSpec(name="v6e", vmem_capacity_bytes=128 * MIB, mxu_column_size=256,
                     bf16_ops_per_second=9.2e14, mem_bw_bytes_per_second=1.64e12,
                     hbm_capacity_bytes=34_400_000_000),
+    # TPU7x (Ironwood), one of a chip's two TensorCores (each is a device):
+    # half the chip's 192 GiB of HBM, 2,307 bf16 TFLOP/s and 7.37 TB/s
+    # (Google Cloud, "TPU7x (Ironwood)", system architecture table), and
+    # 64 MiB of VMEM with a 256-wide MXU (jax's Pallas TPU chip table,
+    # `pltpu.get_tpu_info_for_chip(ChipVersion("7x"), 1)`, jax 0.10.2-0.12).
+    "7x": ChipSpec(name="7x", vmem_capacity_bytes=64 * MIB, mxu_column_size=256,
+                   bf16_ops_per_second=1.155e15, mem_bw_bytes_per_second=3.7e12,
+                   hbm_capacity_bytes=103_000_000_000),
 }
 
 

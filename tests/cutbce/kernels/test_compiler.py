@@ -121,3 +121,8 @@ def test_planned_kernels_compile_for_tpu7x(kernel):
   compiled = compiler.compile_kernel(kernel, num_tokens=4096, vocab=131_072, dim=128,
                                      dtype=jnp.bfloat16, plan=plan, device=device)
   assert len(compiler.mosaic_kernels(compiled)) == 1
+
+
+def test_fallback_chip_table_matches_jax_where_jax_knows_the_chip():
+  for name, fallback in tiling._FALLBACK_CHIPS.items():  # pylint: disable=protected-access
+    assert tiling.chip_spec(name) == fallback, name
