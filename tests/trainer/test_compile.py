@@ -73,3 +73,12 @@ def test_the_command_defines_no_flag_on_import_so_it_lives_beside_trainer_main()
   result = subprocess.run([sys.executable, "-c", "import trainer.main, trainer.compile"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module", ["trainer.compile", "trainer.main"])
+def test_help_exits_0(module):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "--config" in result.stdout + result.stderr

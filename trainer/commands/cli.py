@@ -208,11 +208,17 @@ def parse_config_flags(argv: list[str]) -> list[str]:
   The flags parser of the commands that take a config file (`trainer.main`,
   `trainer.compile`): unknown override keys, values of the wrong type and a
   missing config file exit with status 2 and `bad config: ...`; other flag
-  errors as absl does.
+  errors as absl does; `--help` (absl's usage) exits 0.
   """
   try:
     config_keys.check_overrides(argv)
     return flags.FLAGS(argv)
+  except SystemExit as done:
+    # absl prints the help of --help and friends, then exits 1; a help asked
+    # for is a success, as in every other command.
+    if done.code == 1 and any(arg.partition("=")[0] in _HELP for arg in argv[1:]):
+      raise SystemExit(0) from None
+    raise
   except schema.ConfigError as error:
     bad_config(error)
   except (flags.Error, AttributeError, KeyError) as error:
