@@ -1,11 +1,16 @@
 """Gradient error against float64 at confident targets: cut ops (xla) vs the dense reference.
 
 The inputs of tests/cutbce/test_precision.py (one target per position at a
-logit from -30 to +30, several at +7; softmax capped at +7): the largest
-per-row error of dh and dE relative to the row's largest float64 entry.
-Prints a Markdown table; `--out` also writes it as JSON. Runs in seconds on CPU.
+logit from -30 to +30, several at +7, the same sweep for both losses): the
+largest per-row error of dh and dE relative to the row's largest float64
+entry. Prints a Markdown table; `--out` also stores the rows in a JSON file
+under `--label` (other labels already there are kept). Runs in seconds on CPU.
 
-    python -m benchmarks.precision_table --out docs/results/precision.json
+    python -m benchmarks.precision_table --label after --out docs/results/precision.json
+
+For the previous code, run it from a folder where `cutbce` is the older
+package and `tests` and `benchmarks` are this checkout's (same inputs), with
+`--label before`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +28,7 @@ from tests.cutbce import test_precision as tp
 
 
 def _errors(kind, dtype, fn):
-  kwargs = dict(vocab_reduction="sum") if kind == "bce" else dict(max_logit=tp.SOFTMAX_MAX_LOGIT)
+  kwargs = dict(vocab_reduction="sum") if kind == "bce" else {}
   got = tp._grads(fn, dtype, **kwargs)
   oracle = tp._oracle(kind, dtype)
   dh = tp._row_errors(got[0].reshape(tp.B * tp.N, tp.D),
@@ -50,8 +56,13 @@ def main():
     print(f"| {r['loss']} | {r['dtype']} | {r['dense_dh']:.2g} | {r['dense_dE']:.2g} | "
           f"{r['xla_dh']:.2g} | {r['xla_dE']:.2g} |")
   if args.out:
+    stored = {}
+    if os.path.exists(args.out):
+      with open(args.out) as f:
+        stored = json.load(f)
+    stored[args.label] = rows
     with open(args.out, "w") as f:
-      json.dump(dict(label=args.label, rows=rows), f, indent=1)
+      json.dump(stored, f, indent=1)
 
 
 if __name__ == "__main__":
