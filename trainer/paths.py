@@ -36,3 +36,19 @@ def as_path(path: str | os.PathLike) -> epath.Path:
   if is_remote(path):
     return epath.Path(os.fspath(path))
   return epath.Path(os.path.abspath(os.fspath(path)))
+
+
+def write_error(folder: str | os.PathLike) -> str | None:
+  """Why a file cannot be written in local `folder` (one short reason), or None.
+
+  Writes and removes a probe file: permission bits alone do not tell (root,
+  read-only mounts, full disks).
+  """
+  probe = os.path.join(os.fspath(folder), f".write-test-{os.getpid()}")
+  try:
+    with open(probe, "w", encoding="utf-8") as file:
+      file.write("ok")
+    os.unlink(probe)
+  except OSError as error:
+    return str(error.strerror or error)
+  return None

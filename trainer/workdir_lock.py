@@ -58,13 +58,9 @@ def check_usable(workdir: str | os.PathLike) -> None:
     os.makedirs(path, exist_ok=True)
   except OSError as error:
     raise WorkdirError(f"--workdir={path}: cannot create it ({error.strerror or error})") from None
-  probe = os.path.join(path, f".write-test-{os.getpid()}")
-  try:
-    with open(probe, "w", encoding="utf-8") as file:
-      file.write("ok")
-    os.unlink(probe)
-  except OSError as error:
-    raise WorkdirError(f"--workdir={path}: not writable ({error.strerror or error})") from None
+  reason = paths.write_error(path)
+  if reason is not None:
+    raise WorkdirError(f"--workdir={path}: not writable ({reason})")
 
 
 def holder(workdir: str | os.PathLike) -> dict:

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from trainer import paths
 from trainer.commands import cli, export, recommend
 
 
@@ -50,7 +51,7 @@ def test_export_out_that_is_a_file(workdir, tmp_path, capsys):
 def test_unwritable_out_is_one_line(workdir, tmp_path, capsys, monkeypatch):
   def refuse(*args, **kwargs):
     raise PermissionError(13, "Permission denied")
-  monkeypatch.setattr(cli, "open", refuse, raising=False)
+  monkeypatch.setattr(paths, "open", refuse, raising=False)
   out = tmp_path / "recs.jsonl"
   assert _recommend(workdir, out, capsys) == (
       2, [f"bad config: --out={out}: cannot write in {tmp_path} (Permission denied)"])

@@ -18,6 +18,7 @@ import pytest
 
 from configs import yambda50m_v6e8
 from cutbce.kernels import compiler
+from cutbce.kernels import tpu as tpu_kernels
 from cutbce.sharding import hlo
 from trainer.commands import compile as compile_lib
 from trainer.config import mesh as config_mesh
@@ -61,7 +62,12 @@ def _check_cut_step(config, compiled, *, vocab: int):
   largest = _largest_array(train)
   assert largest < tokens * rows // 4, (largest, tokens, rows)
   eval_kernels = [k.split("_bt")[0] for k in compiler.mosaic_kernels(compiled["eval"])]
-  assert eval_kernels == ["cutbce_ranks"], eval_kernels
+  # The targets' and excluded ids' logits read from the rank tiles (exact ties), in
+  # groups of MAX_RANK_TARGETS ids per kernel, then the one rank-count pass.
+  ids = (config.compile.eval_targets or config.num_targets) + (
+      config.compile.eval_exclude or config.seq_len)
+  groups = -(-ids // tpu_kernels.MAX_RANK_TARGETS)
+  assert sorted(eval_kernels) == ["cutbce_rank_logits"] * groups + ["cutbce_ranks"], eval_kernels
   assert not hlo.collective_report(compiled["eval"].as_text()).in_loop
 
 

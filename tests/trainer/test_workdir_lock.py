@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from trainer import workdir_lock
+from trainer import paths, workdir_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
@@ -49,7 +49,7 @@ def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
 def test_a_workdir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
   def refuse(*args, **kwargs):
     raise PermissionError(13, "Permission denied")
-  monkeypatch.setattr(workdir_lock, "open", refuse, raising=False)
+  monkeypatch.setattr(paths, "open", refuse, raising=False)
   with pytest.raises(workdir_lock.WorkdirError,
                      match=rf"^--workdir={tmp_path}: not writable \(Permission denied\)$"):
     workdir_lock.acquire(tmp_path)

@@ -101,14 +101,9 @@ def parse(argv: Sequence[str], command: str) -> dict[str, Any]:
 
 
 def _probe(folder: str, flag: str, path: str) -> None:
-  probe = os.path.join(folder, f".write-test-{os.getpid()}")
-  try:
-    with open(probe, "w", encoding="utf-8") as file:
-      file.write("ok")
-    os.unlink(probe)
-  except OSError as error:
-    raise schema.ConfigError(f"{flag}={path}: cannot write in {folder} "
-                             f"({error.strerror or error})") from None
+  reason = paths.write_error(folder)
+  if reason is not None:
+    raise schema.ConfigError(f"{flag}={path}: cannot write in {folder} ({reason})")
 
 
 def _make_folder(folder: str, flag: str, path: str) -> None:
