@@ -108,8 +108,11 @@ def test_cotangent_scales_every_gradient(kind, route, reduction):
     for name, got, want in zip(("dh", "dE", "db"), scaled, plain):
       want = c * np.asarray(want, np.float64)
       assert np.max(np.abs(want)) > 0 or c == 0, name
-      np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6,
-                                 atol=1e-7 * np.max(np.abs(want)), err_msg=f"{name}, c={c}")
+      # float32 rounding of sums the compiler may order differently with c in the
+      # program (seen on jax 0.12: 1.2e-7 of a row whose largest entry is 0.86);
+      # a missing or doubled cotangent is off by the whole entry.
+      np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5,
+                                 atol=1e-6 * np.max(np.abs(want)), err_msg=f"{name}, c={c}")
 
 
 # --------------------------------------------------------------------------- #
