@@ -177,7 +177,7 @@ def rank_logits(kernels, hidden, table, bias, ids: sparse.SparseIds, *, plan, op
 
 def target_ranks(hidden, table, targets, *, bias=None, exclude=None, backend="auto", plan=None,
                  num_items=None, logit_soft_cap=None):
-  """1-based rank of each target among all non-excluded items, in one tiled pass.
+  """1-based rank of each target among all non-excluded items, in two tiled passes.
 
   rank_tl = 1 + #{v not in X_t, v != p : x_tv >= x_tp} with p = targets_tl:
   ties count against the target (a constant model ranks every target last,
@@ -186,7 +186,8 @@ def target_ranks(hidden, table, targets, *, bias=None, exclude=None, backend="au
   a row share a rank below theirs, and `rank_metrics` never exceeds 1. The
   targets' (and excluded ids') logits come out of the same tile computation
   as every item's, so items with identical embeddings tie exactly, as in the
-  dense reference. No top-k and no `[T, V]` array.
+  dense reference (the first pass reads those logits from the tiles, the
+  second counts). No top-k and no `[T, V]` array.
 
   Args:
     hidden: `[..., D]`; table: `[V, D]`; targets: int `[..., L]` (padding as

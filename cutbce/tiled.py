@@ -178,8 +178,8 @@ def tiled_forward_backward(call: TiledCall, hidden, table, bias, ids, scale, cou
   dense_sum, positive_count, dense_hidden_grad, table_grad, bias_grad = (
       call.kernels.forward_backward(
           hidden, table, bias, _dense_scale(call, scale), table_grad, bias_grad,
-          columns.fixed_ids, columns.fixed_values, plan=call.plan, with_counts=call.with_counts, options=call.options,
-          num_items=call.num_items,
+          columns.fixed_ids, columns.fixed_values, plan=call.plan,
+          with_counts=call.with_counts, options=call.options, num_items=call.num_items,
       ))
   per_token, counts = _finish_loss(call, dense_sum, positive_count, hidden, table, bias, ids,
                                    logits, counted_items)
