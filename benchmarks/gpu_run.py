@@ -9,11 +9,15 @@ Two commands, each writing JSON under `--out`:
             876,939 (the paper's) and 10^7. "Compiled for", never "ran on".
             `--kind softmax_ce`: the same for `cut_softmax_ce`.
   device    on one NVIDIA GPU (H100 / H200; jax 0.10.2+ with CUDA), in about
-            8 minutes, each part with its own time limit so the later ones
+            9 minutes, each part with its own time limit so the later ones
             still run:
-            1. tests   the fast GPU subset (test_gpu.py in Pallas' interpreter
-                       on the host, test_gpu_compile.py for the attached GPU's
-                       twins), pytest -x;
+            0. quality the ML-1M runs of QUALITY_GRID (issue 29's SASRec+
+                       recipe: three seeds, exclusion, capacity, BCE), one
+                       process each, all at once on this GPU (mesh data=1,
+                       the configs' global batch), cut at --quality-s.
+            1. tests   the fast GPU subset (test_gpu.py, whose Triton kernels
+                       run compiled on a GPU; test_gpu_compile.py for the
+                       attached GPU's twins), pytest -x;
             2. loss    dense / xla / pallas_gpu fwd+bwd at V = 131,072 and
                        1,048,576 (T = 8 x 256, D = 64, L = 4, f32 and bf16),
                        BCE and softmax CE:
@@ -25,9 +29,6 @@ Two commands, each writing JSON under `--out`:
                        bf16) on this one GPU (mesh data=1), loss.backend xla
                        vs pallas_gpu (and dense where it fits): compiled
                        memory and step time;
-            4. quality `benchmarks/ml1m_quality.py seeds` of
-                       configs/ml1m_best.py, seeds 0 1 2, on this GPU (mesh
-                       data=1, the same global batch).
 
     python benchmarks/gpu_run.py compile --out docs/results
     bash benchmarks/gpu_run.sh OUT_DIR          # on the GPU machine
@@ -230,24 +231,70 @@ def part_train(out: pathlib.Path, steps: int) -> dict:
   return result
 
 
-def part_quality(out: pathlib.Path, limit_s: int, seeds) -> dict:
+# The ML-1M runs of the quality part, most informative first: the SASRec+
+# recipe's seeds (its true mean), then one change each (issue 29's levers) and
+# the mission's loss under the same recipe. (name, config, overrides).
+SASREC_PLUS = "configs/ml1m_sasrec_plus.py"
+CAPACITY = ["model.dim=128", "model.num_layers=3", "model.num_heads=2",
+            "model.dropout_rate=0.3", "model.mlp_dim=512"]
+QUALITY_GRID = (
+    ("ce_seed0", SASREC_PLUS, ["seed=0"]),
+    ("ce_seed1", SASREC_PLUS, ["seed=1"]),
+    ("ce_seed2", SASREC_PLUS, ["seed=2"]),
+    ("ce_exclude_seed0", SASREC_PLUS, ["seed=0", "loss.exclude='window'"]),
+    ("ce_capacity_seed0", SASREC_PLUS, ["seed=0", "train_steps=5000", *CAPACITY]),
+    ("ce_capacity_exclude_seed0", SASREC_PLUS,
+     ["seed=0", "train_steps=5000", "loss.exclude='window'", *CAPACITY]),
+    ("bce_seed0", SASREC_PLUS, ["seed=0", "loss.kind='bce'"]),
+    ("bce_seed1", SASREC_PLUS, ["seed=1", "loss.kind='bce'"]),
+)
+
+
+def part_quality(out: pathlib.Path, limit_s: int, names) -> dict:
+  """The runs of QUALITY_GRID named in `names`, all at once on the one GPU.
+
+  One process each (mesh data=1, the global batch of the config), started
+  together: a run this small leaves the GPU idle between its kernels, so
+  several share it well. Each finished run writes quality/<name>.json (the
+  ml1m_quality.py report); a run cut by `limit_s` leaves its metrics.jsonl
+  (its validation curve so far) under quality/<name>/.
+  """
   cache = ROOT / "runs" / "data_cache"
-  env = dict(os.environ)
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
   if cache.exists():
     env["CUTBCE_DATA"] = str(cache)
-  command = [sys.executable, "benchmarks/ml1m_quality.py", "seeds",
-             "--config", "configs/ml1m_best.py", "--workdir", str(out / "ml1m_runs"),
-             "--seeds", *map(str, seeds), "--set", "mesh.shape=(1,)",
-             "--out", str(out / "ml1m_metrics.json"), "--plot", str(out / "ml1m_seeds.png")]
+  runs = [run for run in QUALITY_GRID if run[0] in names]
+  folder = out / "quality"
+  folder.mkdir(parents=True, exist_ok=True)
+  processes = {}
   start = time.perf_counter()
-  try:
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=limit_s, check=False)
-    result = {"returncode": done.returncode, "tail": (done.stdout + done.stderr)[-4000:]}
-  except subprocess.TimeoutExpired:
-    result = {"returncode": None, "tail": f"timed out after {limit_s} s (finished seeds "
-              "keep their seed_<s>.json; rerun to resume)"}
-  result.update(command=" ".join(command[1:]), seconds=round(time.perf_counter() - start, 1))
+  for name, config, overrides in runs:
+    command = [sys.executable, "benchmarks/ml1m_quality.py", "train", "--config", config,
+               "--workdir", str(folder / name), "--out", str(folder / f"{name}.json")]
+    for override in ["mesh.shape=(1,)", *overrides]:
+      command += ["--set", override]
+    log = open(folder / f"{name}.log", "w")  # pylint: disable=consider-using-with
+    processes[name] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
+                                        stderr=subprocess.STDOUT), command, log)
+    print(f"started {name}: {' '.join(command[1:])}", flush=True)
+  result = {"limit_s": limit_s, "runs": {}}
+  for name, (process, command, log) in processes.items():
+    left = max(1.0, limit_s - (time.perf_counter() - start))
+    try:
+      returncode = process.wait(timeout=left)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      returncode = None
+    log.close()
+    report = folder / f"{name}.json"
+    row = {"command": " ".join(command[1:]), "returncode": returncode,
+           "seconds": round(time.perf_counter() - start, 1)}
+    if report.exists():
+      metrics = json.loads(report.read_text())
+      row.update({k: metrics[k] for k in ("ndcg@10", "hr@10", "mrr", "step", "wall_s")})
+    result["runs"][name] = row
+    print(f"== {name}: {row}", flush=True)
+  result["environment"] = _environment()
   _write(out, "quality.json", result)
   return result
 
@@ -262,7 +309,7 @@ def cmd_device(args) -> None:
   parts = {"tests": lambda: part_tests(out, args.tests_s),
            "loss": lambda: part_loss(out, args.repeats),
            "train": lambda: part_train(out, args.train_steps),
-           "quality": lambda: part_quality(out, args.quality_s, args.seeds)}
+           "quality": lambda: part_quality(out, args.quality_s, args.runs)}
   summary = {}
   for name in args.parts:
     start = time.perf_counter()
@@ -286,12 +333,13 @@ def main() -> None:
   compile_parser.add_argument("--kind", choices=("bce", "softmax_ce"), default="bce")
   device = commands.add_parser("device")
   device.add_argument("--out", required=True)
-  device.add_argument("--parts", nargs="+", default=["tests", "loss", "train", "quality"])
+  device.add_argument("--parts", nargs="+", default=["quality", "tests", "loss", "train"])
   device.add_argument("--repeats", type=int, default=5)
   device.add_argument("--train-steps", type=int, default=5)
-  device.add_argument("--tests-s", type=int, default=120)
-  device.add_argument("--quality-s", type=int, default=210)
-  device.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  device.add_argument("--tests-s", type=int, default=90)
+  device.add_argument("--quality-s", type=int, default=270)
+  device.add_argument("--runs", nargs="+", default=[name for name, _, _ in QUALITY_GRID],
+                      help="names of QUALITY_GRID to run")
   args = parser.parse_args()
   {"compile": cmd_compile, "device": cmd_device}[args.command](args)
 
