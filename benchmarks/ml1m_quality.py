@@ -15,6 +15,10 @@ user. Metrics come from the trainer's own evaluation (`cutbce.target_ranks`
     python benchmarks/ml1m_quality.py seeds --config configs/ml1m.py --workdir runs/ml1m_seeds \
         --seeds 0 1 2 [--set ...] --out docs/results/ml1m_metrics.json
 
+    # seeds trained elsewhere (their `train` reports) -> the same per-seed and mean JSON
+    python benchmarks/ml1m_quality.py summarize runs/a/seed_0.json runs/b/seed_1.json ... \
+        --out docs/results/ml1m_quality/recipe.json
+
     # the same JSON from a finished trainer workdir (same --config / --set as its run)
     python benchmarks/ml1m_quality.py collect --config configs/ml1m.py --workdir runs/ml1m
 
@@ -243,25 +247,7 @@ def cmd_seeds(args):
       wall_s = time.perf_counter() - start
     write_report(config, workdir, out, wall_s=wall_s, command=_command())
     per_seed.append({"seed": seed, **json.loads(pathlib.Path(out).read_text())})
-  summary = {"seeds": list(args.seeds), "config": per_seed[0]["config"],
-             "command": _command(), "published": PUBLISHED,
-             "popularity_baseline": per_seed[0]["popularity_baseline"]}
-  for name in SUMMARY_METRICS:
-    values = np.array([run[name] for run in per_seed])
-    summary[name] = float(values.mean())
-    summary[f"{name}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
-    summary[f"{name}_min_max"] = [float(values.min()), float(values.max())]
-  summary["per_seed"] = [
-      {"seed": run["seed"], "step": run["step"], "wall_s": run["wall_s"],
-       "train_s_from_log": run["train_s_from_log"],
-       **{name: run[name] for name in SUMMARY_METRICS}, "test": run["test"],
-       "validation_curve": run["validation_curve"]} for run in per_seed]
-  path = pathlib.Path(args.out)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(summary, indent=2) + "\n")
-  print("  ".join(f"{name} {summary[name]:.4f} +- {summary[name + '_std']:.4f}"
-                  for name in SUMMARY_METRICS) + f" over seeds {list(args.seeds)}")
-  print(f"wrote {path}")
+  write_summary(summarize(per_seed), args.out)
   if args.plot:
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
@@ -277,6 +263,43 @@ def cmd_seeds(args):
     fig.tight_layout()
     fig.savefig(args.plot, dpi=120)
     print(f"wrote {args.plot}")
+
+
+def summarize(per_seed: list[dict]) -> dict:
+  """Mean, sample std and range of SUMMARY_METRICS over reports of one recipe's seeds."""
+  configs = [{k: v for k, v in run["config"].items() if k != "seed"} for run in per_seed]
+  if any(config != configs[0] for config in configs[1:]):
+    raise SystemExit("the reports differ in more than their seed: not seeds of one recipe")
+  summary = {"seeds": [run["config"]["seed"] for run in per_seed],
+             "config": per_seed[0]["config"], "command": _command(), "published": PUBLISHED,
+             "popularity_baseline": per_seed[0]["popularity_baseline"],
+             "machine": per_seed[0].get("machine")}
+  for name in SUMMARY_METRICS:
+    values = np.array([run[name] for run in per_seed])
+    summary[name] = float(values.mean())
+    summary[f"{name}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    summary[f"{name}_min_max"] = [float(values.min()), float(values.max())]
+  summary["per_seed"] = [
+      {"seed": run["config"]["seed"], "step": run["step"], "wall_s": run["wall_s"],
+       "train_s_from_log": run["train_s_from_log"], "command": run.get("command"),
+       **{name: run[name] for name in SUMMARY_METRICS}, "test": run["test"],
+       "validation_curve": run["validation_curve"]} for run in per_seed]
+  return summary
+
+
+def write_summary(summary: dict, out: str) -> None:
+  path = pathlib.Path(out)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(summary, indent=2) + "\n")
+  print("  ".join(f"{name} {summary[name]:.4f} +- {summary[name + '_std']:.4f}"
+                  for name in SUMMARY_METRICS) + f" over seeds {summary['seeds']}")
+  print(f"wrote {path}")
+
+
+def cmd_summarize(args):
+  """Seeds of one recipe trained elsewhere (their reports) -> the seeds JSON."""
+  per_seed = [json.loads(pathlib.Path(report).read_text()) for report in args.reports]
+  write_summary(summarize(per_seed), args.out)
 
 
 def cmd_collect(args):
@@ -357,6 +380,9 @@ def main():
       p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
       p.add_argument("--plot", default="docs/results/ml1m_seeds.png")
     p.add_argument("--out", default="docs/results/ml1m_metrics.json")
+  p = sub.add_parser("summarize", help="mean and spread of one recipe's seed reports")
+  p.add_argument("reports", nargs="+", help="report JSONs of `train`, one per seed")
+  p.add_argument("--out", required=True)
   p = sub.add_parser("compare")
   p.add_argument("--cutbce", required=True)
   p.add_argument("--dense", required=True)
@@ -364,7 +390,7 @@ def main():
   p.add_argument("--plot", default="docs/results/ml1m_dense_vs_cutbce.png")
   args = parser.parse_args()
   {"train": cmd_train, "collect": cmd_collect, "seeds": cmd_seeds,
-   "compare": cmd_compare}[args.command](args)
+   "summarize": cmd_summarize, "compare": cmd_compare}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from configs import base, ml1m, ml1m_best, ml1m_cpu, smoke, synthetic_1m, yambda50m_v6e8
+from configs import (base, ml1m, ml1m_best, ml1m_best_bce, ml1m_cpu, ml1m_sasrec_plus, smoke,
+                     synthetic_1m, yambda50m_v6e8)
 from trainer.config import mesh as config_mesh, schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -14,8 +15,8 @@ REQUIRED = ("seed", "train_steps", "batch_size", "seq_len", "num_targets", "mesh
             "optimizer", "data", "loss", "eval_every", "checkpoint_every", "log_every")
 
 
-@pytest.mark.parametrize("module", [base, smoke, ml1m, ml1m_best, ml1m_cpu, synthetic_1m,
-                                    yambda50m_v6e8])
+@pytest.mark.parametrize("module", [base, smoke, ml1m, ml1m_best, ml1m_best_bce, ml1m_cpu,
+                                    ml1m_sasrec_plus, synthetic_1m, yambda50m_v6e8])
 def test_every_config_is_complete_and_valid(module):
   config = module.get_config()
   for field in REQUIRED:
