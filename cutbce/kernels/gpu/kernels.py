@@ -35,8 +35,10 @@ registers, never in memory); logit columns past `num_items` are masked out of
 every sum. How a kernel runs is chosen when the program is lowered (`_run`):
 for CUDA it is compiled by Triton; anywhere else it runs in Pallas'
 interpreter, whose out-of-bounds reads are NaN, so a missing mask fails the
-tests. float32 dots use IEEE float32 (Triton's default for f32 operands in
-this lowering), bfloat16 dots accumulate in float32.
+tests. Every dot is `_dot`: float32 operands multiply in IEEE float32 (Pallas'
+Triton lowering turns a dot without a precision into a TF32 one, 10-bit
+mantissas: on an H200 that put the float32 loss 5e-6 off the float64 oracle),
+bfloat16 operands multiply exactly and accumulate in float32.
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ MAX_RANK_TARGETS = 32
 NT_DIMS = (((1,), (1,)), ((), ()))  # [M, K] x [N, K] -> [M, N]
 TN_DIMS = (((0,), (0,)), ((), ()))  # [K, M] x [K, N] -> [M, N]
 NN_DIMS = (((1,), (0,)), ((), ()))  # [M, K] x [K, N] -> [M, N]
+
+
+def _dot(a, b, dims):
+  """`lax.dot_general` at full precision (IEEE for float32, never TF32), float32 out."""
+  return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
 
 
 def _run(impl, *operands, **static):
@@ -203,7 +211,7 @@ def _column_valid(start, geom: Geometry):
 
 def _tile_logits(hidden, table_tile, bias_tile):
   """`[block_t, block_v]` float32 logits h . e (+ b) on the tensor cores."""
-  logits = lax.dot_general(hidden, table_tile, NT_DIMS, preferred_element_type=jnp.float32)
+  logits = _dot(hidden, table_tile, NT_DIMS)
   if bias_tile is not None:
     logits = logits + bias_tile[None, :]
   return logits
@@ -334,9 +342,7 @@ def _hidden_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOpti
       derivative = variants.tile_grad(options, logits)
     grad = jnp.where(valid, scale[:, None] * derivative, 0.0)  # [block_t, block_v] f32
     grad = _set_fixed(grad, tile * geom.block_v, fixed, geom)  # exact terms, before the cast
-    hidden_grad = hidden_grad + lax.dot_general(
-        grad.astype(compute_dtype), table, NN_DIMS, preferred_element_type=jnp.float32
-    )  # [block_t, D]
+    hidden_grad = hidden_grad + _dot(grad.astype(compute_dtype), table, NN_DIMS)  # [block_t, D]
     return hidden_grad, dense, count
 
   first, last = _split_range(split, geom)
@@ -370,9 +376,7 @@ def _table_grad_sweep(hidden_ref, out_refs, vocab_start, geom: Geometry, has_bia
     token_start = token_tile * geom.block_t
     hidden = _load_rows(hidden_ref, token_start, geom.block_t, geom.num_tokens, geom)
     grad = tile_grad(token_start, hidden)
-    table_grad = table_grad + lax.dot_general(
-        grad.astype(hidden.dtype), hidden, TN_DIMS, preferred_element_type=jnp.float32
-    )  # [block_v, D]
+    table_grad = table_grad + _dot(grad.astype(hidden.dtype), hidden, TN_DIMS)  # [block_v, D]
     if has_bias:
       bias_grad = bias_grad + jnp.sum(grad, axis=0)
     return table_grad, bias_grad
@@ -930,8 +934,7 @@ def _softmax_hidden_grad_kernel(*refs, geom: Geometry, present: _BackwardOperand
     _, items = _softmax_columns(tile * geom.block_v, valid, limit, excluded, geom)
     grad = _set_fixed(_softmax_grad(logits, items, log_z, scale, offset), tile * geom.block_v,
                       fixed, geom)
-    return hidden_grad + lax.dot_general(
-        grad.astype(hidden.dtype), table, NN_DIMS, preferred_element_type=jnp.float32)
+    return hidden_grad + _dot(grad.astype(hidden.dtype), table, NN_DIMS)
 
   first, last = _split_range(split, geom)
   hidden_grad = lax.fori_loop(first, last, accumulate,

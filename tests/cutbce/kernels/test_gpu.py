@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jex_core
 import numpy as np
 import pytest
 
@@ -68,7 +70,9 @@ def test_float32_loss_grads_stats_match_float64(one_pass):
   # Rows past num_items are padding: exactly zero gradient.
   assert not np.any(np.asarray(grads[1])[NUM_ITEMS:]) and not np.any(np.asarray(grads[2])[NUM_ITEMS:])
   np.testing.assert_allclose(np.array(stats), np.array(want_stats), rtol=1e-6)
-  dense_value, dense_stats, dense_grads = _value_grads_stats(cutbce.dense_bce, args, **kwargs)
+  # On a GPU, jnp's float32 dots default to TF32: compare with true float32.
+  with jax.default_matmul_precision("float32"):
+    dense_value, dense_stats, dense_grads = _value_grads_stats(cutbce.dense_bce, args, **kwargs)
   np.testing.assert_allclose(float(value), float(dense_value), rtol=1e-6)
   _assert_grads(grads, dense_grads, 1e-4, 1e-6)
   np.testing.assert_array_equal(np.array(stats), np.array(dense_stats))
@@ -262,3 +266,37 @@ def test_target_gpu_context_names_the_planned_device_and_restores():
   with pytest.raises(ValueError, match="unknown GPU target"):
     with gpu_plan.target_gpu("v100"):
       pass
+
+
+def _kernel_dots(jaxpr):
+  """The dot_general equations inside every pallas_call of `jaxpr`, nested jaxprs included."""
+  dots = []
+
+  def visit(jaxpr, in_kernel):
+    for eqn in jaxpr.eqns:
+      inside = in_kernel or eqn.primitive.name == "pallas_call"
+      if inside and eqn.primitive.name == "dot_general":
+        dots.append(eqn)
+      for sub in jex_core.jaxprs_in_params(eqn.params):
+        visit(sub, inside)
+
+  visit(jaxpr.jaxpr, False)
+  return dots
+
+
+@pytest.mark.parametrize("fn", [cutbce.cut_bce, cutbce.cut_softmax_ce])
+def test_float32_kernel_dots_are_ieee_not_tf32(fn):
+  """Pallas' Triton lowering makes a dot without a precision TF32 (10-bit
+  mantissas); on an H200 that put the float32 loss 5e-6 off the float64
+  oracle. Every dot in the GPU kernels asks for HIGHEST (IEEE float32)."""
+  args = _jnp(cases.make_case(CASE, seed=0))
+
+  def loss(hidden, table):
+    return fn(hidden, table, args["targets"], args["weights"], exclude=args["exclude"],
+              num_items=NUM_ITEMS, backend="pallas_gpu", plan=PLAN)
+
+  jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(args["hidden"], args["table"])
+  dots = _kernel_dots(jaxpr)
+  assert len(dots) >= 3  # forward, dh and dE
+  for eqn in dots:
+    assert eqn.params["precision"] == (lax.Precision.HIGHEST, lax.Precision.HIGHEST), eqn
