@@ -25,6 +25,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from trainer import libtpu_env
 from trainer.commands import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Trainer config file.",
@@ -117,6 +118,7 @@ def main(argv):
 
 def run() -> None:
   """The console script `cutbce-train`."""
+  libtpu_env.quiet_probe_without_tpu()  # before jax starts a backend
   app.run(main, flags_parser=parse_flags)
 
 

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 from absl import app, flags, logging
 
-from trainer import logs, paths
+from trainer import libtpu_env, logs, paths
 from trainer.config import keys as config_keys, schema
 from trainer.config.keys import flag_name
 
@@ -179,6 +179,7 @@ def run_command(command: str, body: Callable[[dict[str, Any]], int | None],
 
 def app_main(main: Callable[[list[str]], int]) -> None:
   """Runs `main(argv)` as an absl app (the `__main__` and console-script entry)."""
+  libtpu_env.quiet_probe_without_tpu()  # before jax starts a backend
 
   def flags_parser(argv):
     flags.FLAGS([argv[0]])  # absl's own flags stay at their defaults

@@ -36,6 +36,7 @@ from typing import Any
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from trainer import libtpu_env
 from trainer.commands import cli
 
 
@@ -264,6 +265,7 @@ def main(argv) -> None:
 
 def run() -> None:
   """The console script `cutbce-compile`."""
+  libtpu_env.quiet_probe_without_tpu()  # before libtpu is loaded for the topology
   if not _FLAGS:
     _FLAGS.update(_define_flags())
   app.run(main, flags_parser=cli.parse_config_flags)
