@@ -58,6 +58,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from trainer import paths
+from trainer.config.schema import ConfigError
 
 
 def metric_fn(best_metric: str):
@@ -242,6 +243,68 @@ def cause(error: BaseException) -> str:
   return text if len(text) <= 200 else text[:197] + "..."
 
 
+def stored_param_shapes(directory: str | os.PathLike, step: int) -> dict[str, tuple] | None:
+  """`{key path: shape}` of the params saved in the checkpoint of `step`, from its metadata.
+
+  None when the metadata cannot be read (a damaged checkpoint: the restore
+  that follows names it).
+  """
+  path = paths.as_path(directory) / str(step) / "state"
+  handler = ocp.StandardCheckpointHandler()  # the checkpointer warns on a step's item folder
+  try:
+    params = handler.metadata(path)["params"]
+  except Exception:  # pylint: disable=broad-except  (orbax raises many kinds)
+    return None
+  finally:
+    handler.close()
+  return _shapes(params)
+
+
+def _shapes(tree) -> dict[str, tuple]:
+  def name(part):
+    return str(getattr(part, "key", getattr(part, "idx", getattr(part, "name", part))))
+
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {"/".join(name(part) for part in path): tuple(leaf.shape) for path, leaf in leaves
+          if hasattr(leaf, "shape")}
+
+
+ITEM_TABLE = "item_embedding/embedding"  # the `[V_padded, D]` table (trainer/model.py)
+
+
+def check_param_shapes(directory: str | os.PathLike, step: int, abstract_params) -> None:
+  """Refuses, in one line, a checkpoint whose params have other shapes than this run's.
+
+  Run before a restore, so that changed data or a changed model is named for
+  what it is, not reported as an orbax shape error or taken for a corrupted
+  checkpoint. An item table with another row count means the prepared data
+  holds another number of items than the run was trained on (raw data
+  changed, then prepared again).
+
+  Raises:
+    ConfigError: the item table's rows, or another param's shape, differ.
+  """
+  stored = stored_param_shapes(directory, step)
+  if stored is None:
+    return
+  wanted = _shapes(abstract_params)
+  table = (stored.get(ITEM_TABLE), wanted.get(ITEM_TABLE))
+  if None not in table and table[0][0] != table[1][0]:
+    raise ConfigError(
+        f"the checkpoint of step {step} holds an item table of {table[0][0]:,} rows and this "
+        f"run's prepared data has {table[1][0]:,} (item count changed from {table[0][0]:,} to "
+        f"{table[1][0]:,}, rows rounded up to the vocab shards): the raw data changed since "
+        "the run was prepared. Restore the raw data the run was prepared from, or start a new "
+        "workdir")
+  for key in sorted(set(stored) | set(wanted)):
+    if stored.get(key) != wanted.get(key):
+      raise ConfigError(
+          f"the checkpoint of step {step} holds params/{key} of shape {stored.get(key)} and "
+          f"this run's config builds {wanted.get(key)}: the model's shape changed since the "
+          "checkpoint; resume with the run's config (WORKDIR/config.json) or start a new "
+          "workdir")
+
+
 def restore_newest(manager: ocp.CheckpointManager, abstract_state, iterator, *,
                    say=print) -> tuple[object, int]:
   """Restores the newest checkpoint that reads; returns `(state, step)`.
@@ -256,6 +319,8 @@ def restore_newest(manager: ocp.CheckpointManager, abstract_state, iterator, *,
   names the step to set aside by hand.
 
   Raises:
+    ConfigError: a checkpoint's params have other shapes than `abstract_state`'s
+      (`check_param_shapes`: the item count or the model changed).
     CheckpointError: no checkpoint restores (each step and its cause named;
       a config whose shapes differ from the checkpoints' fails here too, and
       then nothing is moved).
@@ -263,6 +328,8 @@ def restore_newest(manager: ocp.CheckpointManager, abstract_state, iterator, *,
   directory = paths.as_path(manager.directory)
   failed = []
   for step in sorted(manager.all_steps(), reverse=True):
+    # Other shapes are another run's data or model, not damage: one line, nothing moved.
+    check_param_shapes(directory, step, abstract_state["params"])
     try:
       state = restore(manager, step, abstract_state, iterator)
     except Exception as error:  # pylint: disable=broad-except  (orbax raises many kinds)

@@ -49,13 +49,20 @@ def check(workdir: str | os.PathLike, item_ids: np.ndarray) -> dict:
     return current
   recorded = json.loads(target.read_text())
   if recorded != current:
-    what = (f"{current['num_items']} items (was {recorded.get('num_items')})"
-            if current["num_items"] != recorded.get("num_items") else
-            f"the same {current['num_items']} items, other raw ids or another order")
+    digests = (f"sha256 {current['item_ids_sha256'][:12]}, was "
+               f"{str(recorded.get('item_ids_sha256'))[:12]}")
+    was = recorded.get("num_items")
+    if isinstance(was, int) and was != current["num_items"]:
+      raise ConfigError(
+          f"the prepared data has {current['num_items']:,} items and this run was trained on "
+          f"{was:,} (the item count changed from {was:,} to {current['num_items']:,}; "
+          f"{digests}): the raw data "
+          "changed since the run was prepared. Restore the raw data the run was prepared from, "
+          "or start a new workdir")
+    what = f"the same {current['num_items']} items, other raw ids or another order"
     raise ConfigError(
         f"the prepared data's item-id map differs from the one this run trained on ({what}; "
-        f"sha256 {current['item_ids_sha256'][:12]}, was "
-        f"{str(recorded.get('item_ids_sha256'))[:12]}): the checkpoint's table rows would name "
+        f"{digests}): the checkpoint's table rows would name "
         "other items. Restore the raw data the run was prepared from, or start a new workdir")
   return current
 

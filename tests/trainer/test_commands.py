@@ -6,6 +6,7 @@ differs from the latest (20) and `max_checkpoints=1` must keep both. The
 commands run in-process through their `main(argv)`.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ import pytest
 from flax import nnx
 
 from trainer import checkpoint, evaluate, fingerprint, loop
-from trainer.config import keys as config_keys, saved as saved_config, schema
+from trainer.config import keys as config_keys, mesh as config_mesh, saved as saved_config, schema
 from trainer.commands import evaluate as evaluate_command, export, recommend, workdir as workdir_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -164,6 +165,40 @@ def test_changed_item_ids_are_refused_by_resume_and_commands(trained, tmp_path):
     with pytest.raises(schema.ConfigError, match="item-id map differs .* same .* items"):
       attempt()
   assert fingerprint.of(np.array(["a", "bc"])) != fingerprint.of(np.array(["ab", "c"]))
+
+
+def test_another_item_count_is_named_by_resume_and_commands(trained, tmp_path, monkeypatch):
+  """Raw data with more items, prepared again: one line naming both counts, nothing moved.
+
+  By the recorded fingerprint, and without one (a run from before it was
+  recorded) by the checkpoint's item table, before orbax's shape error.
+  """
+  workdir, config, _ = trained
+  copy = tmp_path / "run"
+  shutil.copytree(workdir, copy)
+  data = workdir_lib.open_run(str(copy), say=lambda line: None).data
+  old = data.num_items
+  added = config_mesh.vocab_shard_count(config)  # enough to change the table's padded rows
+  ids = np.asarray(data.item_ids)
+  grown = dataclasses.replace(data, item_ids=np.concatenate(
+      [ids, ids.max() + 1 + np.arange(added, dtype=ids.dtype)]))
+  new = old + added
+  monkeypatch.setattr(loop, "prepare_data", lambda config, workdir: grown)
+  monkeypatch.setattr(workdir_lib.data_lib, "load_prepared", lambda folder: grown)
+  attempts = (lambda: workdir_lib.open_run(str(copy), say=lambda line: None),
+              lambda: loop.train_and_evaluate(config.copy_and_resolve_references(), str(copy)))
+  for attempt in attempts:
+    with pytest.raises(schema.ConfigError, match=f"has {new:,} items and this run was trained "
+                       f"on {old:,} .the item count changed from {old:,} to {new:,};"):
+      attempt()
+  (copy / fingerprint.FILE).unlink()
+  steps = sorted(os.listdir(copy / "checkpoints"))
+  for attempt in attempts:
+    with pytest.raises(schema.ConfigError, match=f"item table of {old:,} rows and this run's "
+                       f"prepared data has {new:,} .item count changed from {old:,}"):
+      attempt()
+  assert sorted(os.listdir(copy / "checkpoints")) == steps  # not taken for corruption
+  assert not (copy / checkpoint.CORRUPTED_DIR).exists()
 
 
 def test_a_run_saved_before_a_key_existed_resumes_with_its_old_value(trained, tmp_path):

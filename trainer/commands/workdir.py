@@ -166,6 +166,8 @@ def open_run(workdir: str, *, which: str = "best", step: int | None = None,
   mesh, token_axes, vocab_axis = command_mesh(config, say)
   graphdef, abstract = _abstract_params(config, data.num_items)
   shardings = train_lib.state_shardings(abstract, mesh, vocab_axis)
+  # Another item count (data re-prepared) is named as such, not as an unreadable checkpoint.
+  checkpoint.check_param_shapes(checkpoints_dir(workdir), step, abstract)
   try:
     params = checkpoint.restore_params(checkpoints_dir(workdir), step,
                                        train_lib.abstract_state(abstract, shardings))
