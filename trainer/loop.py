@@ -174,6 +174,10 @@ class Trainer:
     self.mesh = config_mesh.make_mesh(config)
     logs.say(config_mesh.describe_mesh(self.mesh))
     self.data = prepare_data(config, workdir)
+    # No training window or no user to evaluate: one line now, not NaN after training.
+    data_lib.check_trainable(self.data, seq_len=config.seq_len,
+                             train_windows=config.data.get("train_windows", "all"),
+                             eval_splits=(config.eval.split, "test"))
     resuming = checkpoint.latest_step(self.manager) is not None
     # A resume refuses re-prepared data whose items moved rows (fingerprint.py).
     data_fingerprint = (fingerprint.check(workdir, self.data.item_ids) if resuming

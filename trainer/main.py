@@ -95,13 +95,12 @@ def main(argv):
   except (movielens.RegistryUnavailableError, FileNotFoundError) as error:
     # The dataset cannot be had (no registry and no cache, or missing files):
     # one line naming what is missing, not a traceback.
-    logging.error("data unavailable: %s", error)
     print(f"data unavailable: {error}", file=sys.stderr)
     sys.exit(2)
   except sources.DataError as error:
     # Raw data that cannot be read (a missing column, an empty table, a bad
-    # time): one line naming the file and the column.
-    logging.error("bad data: %s", error)
+    # time) or prepared data with no training window or no evaluation user
+    # (trainer/data/checks.py): one line naming the file and what is missing.
     print(f"bad data: {error}", file=sys.stderr)
     sys.exit(2)
   except loop.NonFiniteLossError as error:

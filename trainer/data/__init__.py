@@ -15,6 +15,7 @@ description of settings (``trainer.config.schema``, for the command's flags);
 never the model, the training step or the commands.
 """
 
+from trainer.data.checks import check_trainable
 from trainer.data.pipeline import eval_dataset
 from trainer.data.pipeline import to_global_arrays
 from trainer.data.pipeline import train_dataset
@@ -39,7 +40,7 @@ from trainer.data.windows import num_train_windows
 
 __all__ = [
     "DataError", "Interactions", "PAD", "PreparedDataset", "SOURCE_NAMES", "Sequences",
-    "Split", "eval_dataset", "global_temporal_split", "input_pad_id",
+    "Split", "check_trainable", "eval_dataset", "global_temporal_split", "input_pad_id",
     "leave_one_out", "load_interactions", "load_prepared", "make_split",
     "num_train_windows", "prepare_dataset", "prepare_sequences",
     "to_global_arrays", "train_dataset", "train_iterator", "write_prepared",
