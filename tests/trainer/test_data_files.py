@@ -313,6 +313,32 @@ def test_bad_input_errors(tmp_path):
     files.load_files(good, **COLUMNS, time_unit="h")
 
 
+@pytest.mark.parametrize("engine", ["memory", "duckdb"])
+def test_a_repeated_column_name_is_refused_not_read_first(engine, tmp_path):
+  """A CSV header naming a used column twice: both readers refuse, naming it."""
+  (tmp_path / "in").mkdir()
+  (tmp_path / "in" / "d.csv").write_text(
+      "uid,item,ts,item,note,note\nann,a,1,b,x,y\nann,c,2,d,x,y\nbob,a,3,e,x,y\n")
+  options = {"path": str(tmp_path / "in" / "d.csv"), **COLUMNS}
+  with pytest.raises(sources.DataError, match=r"d\.csv has duplicate column names \('item' 2 "
+                     r"times; found \['uid', 'item', 'ts', 'item', 'note', 'note'\]\)"):
+    prepare.prepare_dataset("files", tmp_path / "out", min_item_count=1, engine=engine,
+                            source_options=options)
+  assert not (tmp_path / "out" / storage.MANIFEST).exists()
+  # A repeated column the source does not read is no ambiguity.
+  (tmp_path / "in" / "d.csv").write_text("uid,item,ts,note,note\nann,a,1,x,y\nann,c,2,x,y\n")
+  prepare.prepare_dataset("files", tmp_path / "out", min_item_count=1, engine=engine,
+                          source_options=options)
+
+
+def test_one_column_for_two_fields_is_refused(tmp_path):
+  good = _write(tmp_path / "d.csv", ROWS)
+  with pytest.raises(sources.DataError, match="item_col='uid' is also user_col"):
+    files.load_files(good, user_col="uid", item_col="uid", time_col="ts")
+  with pytest.raises(sources.DataError, match="time_col='item' is also item_col"):
+    files.load_files(good, user_col="uid", item_col="item", time_col="item")
+
+
 def test_bad_id_columns(tmp_path):
   nulls = _write(tmp_path / "n.jsonl", [{"u": 1, "i": None, "t": 1}, {"u": 1, "i": 2, "t": 2}])
   with pytest.raises(ValueError, match=r"column 'i' of .*n\.jsonl has 1 empty values"):
@@ -370,7 +396,11 @@ def test_cli_prepares_files(tmp_path, capsys):
 
 @pytest.mark.parametrize("change,start", [
     ({"--user-col": "user"}, "error: "),
-    ({"--time-col": "uid"}, "error: column 'uid' of "),
+    ({"--time-col": "uid"}, "bad config: --time-col='uid': another column than --user-col "
+     "(both name 'uid')"),
+    ({"--item-col": "uid"}, "bad config: --item-col='uid': another column than --user-col "
+     "(both name 'uid'): users, items and times are three columns"),
+    ({"--time-col": "time", "--path": "DUP"}, "error: "),
     ({"--path": "NOWHERE/*.csv"}, "bad config: --path="),
     ({"--filter": "ratio=5"}, "bad config: --filter='ratio=5': expected e.g."),
     ({"--time-unit": "days"}, "bad config: --time-unit='days': one of 's', 'ms', 'us', 'ns'"),
@@ -379,16 +409,20 @@ def test_cli_prepares_files(tmp_path, capsys):
 ])
 def test_cli_bad_files_exit_2_with_one_line(change, start, tmp_path, capsys):
   _write(tmp_path / "d.csv", ROWS)
+  (tmp_path / "dup.csv").write_text("uid,item,time,time\nann,a,1,2\n")
   flags = {"--dataset": "files", "--path": str(tmp_path / "d.csv"), "--user-col": "uid",
            "--item-col": "item", "--time-col": "ts", "--out": str(tmp_path / "out")}
-  flags.update({k: v.replace("NOWHERE", str(tmp_path / "no")) if v else v
+  flags.update({k: v.replace("NOWHERE", str(tmp_path / "no"))
+                .replace("DUP", str(tmp_path / "dup.csv")) if v else v
                 for k, v in change.items()})
   argv = [part for flag, value in flags.items() if value is not None for part in (flag, value)]
   assert cli.main(argv) == 2
   err = capsys.readouterr().err
   assert err.startswith(start) and err.count("\n") == 1, err
-  if start == "error: ":
+  if start == "error: " and "--user-col" in change:
     assert "lacks columns ['user']" in err and str(tmp_path / "d.csv") in err
+  elif start == "error: ":
+    assert f"{tmp_path / 'dup.csv'} has duplicate column names ('time' 2 times" in err, err
   assert not (tmp_path / "out" / "manifest.json").exists()
 
 

@@ -116,6 +116,20 @@ def _files_column_given(flag: str):
   return check_rule
 
 
+def _files_columns_differ(flag: str, others: tuple[str, ...]):
+  """`flag` names another column than each of `others` (one column cannot be two fields)."""
+  def check_rule(values, context):
+    del context
+    if values["dataset"] != "files" or not values[flag]:
+      return None
+    same = [other for other in others if values[other] == values[flag]]
+    if same:
+      return (f"another column than {flag_name(same[0])} (both name {values[flag]!r}): users, "
+              "items and times are three columns")
+    return None
+  return check_rule
+
+
 def _files_filter_parses(values, context):
   del context
   if values["dataset"] != "files" or values["filter"] is None:
@@ -152,6 +166,12 @@ FLAG_RULES: tuple[schema.Rule, ...] = (
                   check=_files_column_given(flag),
                   doc=f"with --dataset files, {flag_name(flag)} is given")
       for flag in ("user_col", "item_col", "time_col")),
+    schema.Rule(name="files_item_col_differs", keys=("item_col", "user_col", "dataset"),
+                check=_files_columns_differ("item_col", ("user_col",)),
+                doc="with --dataset files, --item-col is not --user-col"),
+    schema.Rule(name="files_time_col_differs", keys=("time_col", "user_col", "item_col", "dataset"),
+                check=_files_columns_differ("time_col", ("user_col", "item_col")),
+                doc="with --dataset files, --time-col is neither --user-col nor --item-col"),
     schema.Rule(name="files_filter_parses", keys=("filter", "dataset"),
                 check=_files_filter_parses,
                 doc="with --dataset files, --filter is '<column> <op> <value>'"),

@@ -276,6 +276,19 @@ def open_source(file: str | os.PathLike):
 
 
 def _check_columns(names: Sequence[str], file, columns: Sequence[str]) -> None:
+  """Each of ``columns`` is in ``names`` exactly once (a CSV header may repeat a name).
+
+  Raises:
+    DataError: a column missing, or one used (id, time or filter column) that
+      appears twice: readers would take the first silently.
+  """
+  names = list(names)
+  repeated = list(dict.fromkeys(c for c in columns if names.count(c) > 1))
+  if repeated:
+    counts = ", ".join(f"{c!r} {names.count(c)} times" for c in repeated)
+    raise DataError(
+        f"{file} has duplicate column names ({counts}; found {names}): which column holds "
+        "the data is ambiguous; rename or drop the duplicates")
   missing = [c for c in columns if c not in names]
   if missing:
     raise DataError(
@@ -522,6 +535,7 @@ def check_scan(scan: FileScan) -> Filter | None:
   Raises:
     ValueError: an unknown ``time_unit``, a column that is not a name, a
       malformed ``filter``.
+    DataError: one column named for two fields (``item_col`` = ``user_col``).
   """
   if scan.time_unit not in TIME_UNITS:
     raise ValueError(f"time_unit {scan.time_unit!r} is unknown; expected one of {TIME_UNITS}")
@@ -529,6 +543,12 @@ def check_scan(scan: FileScan) -> Filter | None:
                         ("time_col", scan.time_col)):
     if not isinstance(column, str) or not column:
       raise ValueError(f"{label}={column!r}: expected a column name")
+  names = {"user_col": scan.user_col, "item_col": scan.item_col, "time_col": scan.time_col}
+  for label, column in names.items():
+    first = next(other for other in names if names[other] == column)
+    if first != label:
+      raise DataError(f"{label}={column!r} is also {first}: users, items and times are "
+                      "three columns")
   return parse_filter(scan.filter) if scan.filter is not None else None
 
 
