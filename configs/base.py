@@ -99,8 +99,24 @@ def get_config() -> ml_collections.ConfigDict:
   config.loss = ml_collections.ConfigDict()
   # "bce": full-catalog multi-label BCE (`cut_bce`, everything below applies);
   # "softmax_ce": the full softmax cross-entropy (`cutbce.cut_softmax_ce`, the
-  # same backends; of the variants only label_smoothing applies).
+  # same backends; of the variants only label_smoothing applies). The sampled
+  # baselines (`trainer/sampled.py`; no variant, exclude or backend applies):
+  # "sampled_softmax" over k sampled negatives, "gbce" (gSASRec's calibrated
+  # BCE over k negatives), "in_batch" (the batch's targets as negatives).
   config.loss.kind = "bce"
+  # k: negatives of the sampled kinds (None: in_batch with every target slot).
+  config.loss.num_negatives = 128
+  # sampled_softmax, gbce: negatives drawn "uniform"ly over the catalog, or by
+  # "popularity" (in proportion to the items' training counts).
+  config.loss.sampler = "uniform"
+  # One set of negatives shared by the whole "batch", or k per "position".
+  config.loss.negatives_per = "batch"
+  # sampled_softmax, in_batch: subtract log(k q(item)) from each negative's
+  # logit, q the probability of drawing the item (the logQ correction).
+  config.loss.logq = False
+  # gbce: calibration t in [0, 1] (gSASRec's 0.75; 0 = plain BCE over the
+  # sampled items).
+  config.loss.gbce_t = 0.75
   config.loss.backend = "auto"
   config.loss.vocab_reduction = "sum"
   # softmax_ce with several targets per position: "sum" adds one softmax CE term

@@ -34,7 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from trainer import checkpoint, data as data_lib, evaluate, fingerprint, logs, paths
-from trainer import train as train_lib, workdir_lock
+from trainer import model as model_lib, sampled, train as train_lib, workdir_lock
 from trainer.config import keys as config_keys, mesh as config_mesh, saved as saved_config, schema
 from trainer.data import ids as data_ids, prepare as prepare_lib
 
@@ -190,8 +190,12 @@ class Trainer:
     self.graphdef, tx, schedule, self.shardings = (plan.graphdef, plan.tx, plan.schedule,
                                                    plan.shardings)
     self.settings = train_lib.step_settings(config, mesh=self.mesh, num_items=num_items)
+    # loss.sampler="popularity": the training counts, once, as the step's sampler table.
+    tables = train_lib.sampler_tables(
+        self.settings, lambda: sampled.global_train_item_counts(self.data),
+        model_lib.padded_vocab_size(num_items, vocab_shards))
     self.train_step = train_lib.jit_train_step(self.graphdef, tx, schedule, self.settings,
-                                               self.shardings)
+                                               self.shardings, tables)
     eval_settings = self.settings._replace(backend=config.eval.backend)
     self.eval_step = evaluate.jit_eval_step(
         self.graphdef, eval_settings, self.shardings["params"],

@@ -12,7 +12,17 @@ item table (and its optimizer moments) by rows over `mesh.vocab_axis`;
 everything else replicated. The loss is `cutbce.sharding.sharded_cut_bce`
 (`config.loss.kind="bce"`), or the full-catalog softmax cross-entropy
 `cutbce.sharding.sharded_cut_softmax_ce` (`"softmax_ce"`; with
-`loss.backend="dense"` the dense-logits reference `cutbce.dense_softmax_ce`).
+`loss.backend="dense"` the dense-logits reference `cutbce.dense_softmax_ce`),
+or a sampled loss (below).
+
+The sampled baselines (`"sampled_softmax"`, `"gbce"`, `"in_batch"`,
+`trainer/sampled.py`) score each position against its targets and k
+negatives only: drawn uniformly or by training popularity (the int32
+cumulative counts passed to the step as an array, `sampler_tables`) or
+taken from the batch's targets, per batch or per position, with an
+optional logQ correction. Their rows are gathered with `jnp.take` from the
+vocab-sharded table (T x k x D multiply-adds and k or T x k rows gathered
+per step; no pass over the catalog, the table never gathered whole).
 
 With `config.loss.exclude="window"`, every position's negatives leave out the
 items of its own training window (`window_exclude`): the ids are passed to
@@ -21,7 +31,9 @@ table rows per position (T x E x D values in the forward and the same in
 the backward's scatter), no pass over the catalog.
 
 Dropout keys are `fold_in(key(seed), step)`, so the state holds no random
-state and a resumed run draws exactly the masks of an uninterrupted one.
+state and a resumed run draws exactly the masks of an uninterrupted one;
+the sampled losses' negatives come from `fold_in` of the same step key
+(`sampled.NEGATIVES_STREAM`), so a resumed run draws the same negatives too.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cutbce import sharding as cutbce_sharding
 from trainer import model as model_lib
+from trainer import sampled as sampled_lib
 
 TrainState = dict  # {"step": int32 [], "params": dict, "opt_state": optax state}
 
@@ -131,6 +144,7 @@ class StepSettings(NamedTuple):
   focal_alpha: float | None = None
   one_pass: bool | None = None  # `cut_bce`'s one_pass (None: when the reduction allows)
   exclude: str = "none"  # "window": each position's negatives leave out its window's items
+  sampled: sampled_lib.SampledLoss | None = None  # the sampled kinds' settings (else None)
 
 
 LOSS_VARIANTS = ("pos_weight", "label_smoothing", "logit_soft_cap", "focal_gamma",
@@ -151,7 +165,50 @@ def step_settings(config, *, mesh: Mesh, num_items: int) -> StepSettings:
       num_items=num_items, seed=config.seed, backend=loss.backend,
       vocab_reduction=loss.vocab_reduction, loss_kind=loss.kind,
       target_reduction=loss.target_reduction, exclude=loss.get("exclude", "none"),
-      **loss_variants(loss))
+      sampled=sampled_settings(loss, num_items), **loss_variants(loss))
+
+
+def sampled_settings(loss_config, num_items: int) -> sampled_lib.SampledLoss | None:
+  """The `SampledLoss` of `config.loss` for the sampled kinds, else None.
+
+  Raises:
+    ValueError: gbce with k >= V (alpha = k / (V - 1) past 1).
+  """
+  if loss_config.kind not in sampled_lib.SAMPLED_KINDS:
+    return None
+  defaults = sampled_lib.SampledLoss._field_defaults
+  settings = sampled_lib.SampledLoss(
+      kind=loss_config.kind, num_negatives=loss_config.get("num_negatives", 128),
+      target_reduction=loss_config.target_reduction,
+      **{name: loss_config.get(name, defaults[name])
+         for name in ("sampler", "logq", "gbce_t", "negatives_per")})
+  if settings.kind == "gbce" and settings.num_negatives >= num_items:
+    raise ValueError(
+        f"config.loss.num_negatives={settings.num_negatives}: gbce needs k <= V - 1 = "
+        f"{num_items - 1} (alpha = k / (V - 1) is at most 1)")
+  return settings
+
+
+def needs_item_counts(settings: StepSettings) -> bool:
+  """Whether the step takes the popularity sampler's table (`sampler_tables`)."""
+  return (settings.sampled is not None and settings.sampled.kind != "in_batch"
+          and settings.sampled.sampler == "popularity")
+
+
+def sampler_tables(settings: StepSettings, item_counts, rows: int):
+  """The step's third argument: int32 `[rows]` cumulative item counts, or None.
+
+  Args:
+    settings: the step's settings.
+    item_counts: int `[V]` training counts (`sampled.global_train_item_counts`),
+      or a callable returning them (called only when needed).
+    rows: the table's padded row count.
+  """
+  if not needs_item_counts(settings):
+    return None
+  counts = item_counts() if callable(item_counts) else item_counts
+  replicated = NamedSharding(settings.mesh, P())
+  return jax.device_put(sampled_lib.cumulative_counts(counts, rows), replicated)
 
 
 EXCLUDE_CHOICES = ("none", "window")
@@ -171,10 +228,21 @@ def window_exclude(inputs, targets, num_items: int):
   return jnp.broadcast_to(items[:, None, :], (*inputs.shape, items.shape[-1]))
 
 
-def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings):
+def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings,
+                    cumulative=None):
+  """The step's loss and `cutbce.Stats`; `dropout_key` is the step key (negatives too)."""
   model = nnx.merge(graphdef, params)
   hidden = model(batch["inputs"], deterministic=False, rngs=nnx.Rngs(dropout=dropout_key))
   table = model.item_table  # [V_padded, D]: rows past num_items split the table evenly
+  if settings.sampled is not None:
+    key = jax.random.fold_in(dropout_key, sampled_lib.NEGATIVES_STREAM)
+    negatives = sampled_lib.draw_negatives(key, settings.sampled, batch["targets"],
+                                           num_items=settings.num_items, cumulative=cumulative)
+    layout = sampled_lib.RowLayout(settings.mesh, settings.token_axes, settings.vocab_axis)
+    return sampled_lib.sampled_loss(hidden, table, batch["targets"], batch["weights"],
+                                    negatives, bias=model.output_bias,
+                                    num_items=settings.num_items, loss=settings.sampled,
+                                    layout=layout)
   if settings.exclude not in EXCLUDE_CHOICES:
     raise ValueError(f"loss.exclude={settings.exclude!r}; expected one of {EXCLUDE_CHOICES}")
   exclude = None
@@ -194,11 +262,17 @@ def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings
       **{name: getattr(settings, name) for name in LOSS_VARIANTS}, **common)
 
 
-def train_step(state, batch, *, graphdef, tx, schedule, settings: StepSettings):
-  """One optimizer step. Returns `(new_state, metrics)`; metrics are float32 scalars."""
+def train_step(state, batch, cumulative=None, *, graphdef, tx, schedule,
+               settings: StepSettings):
+  """One optimizer step. Returns `(new_state, metrics)`; metrics are float32 scalars.
+
+  `cumulative`: the popularity sampler's int32 `[V_padded]` table
+  (`sampler_tables`), only for the sampled kinds with `loss.sampler="popularity"`.
+  """
   dropout_key = jax.random.fold_in(jax.random.key(settings.seed), state["step"])
   grad_fn = jax.value_and_grad(_loss_and_stats, has_aux=True)
-  (loss, stats), grads = grad_fn(state["params"], graphdef, batch, dropout_key, settings)
+  (loss, stats), grads = grad_fn(state["params"], graphdef, batch, dropout_key, settings,
+                                 cumulative)
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
   grad_norm = optax.tree.norm(grads)
@@ -215,17 +289,45 @@ def train_step(state, batch, *, graphdef, tx, schedule, settings: StepSettings):
   return new_state, metrics
 
 
-def jit_train_step(graphdef, tx, schedule, settings: StepSettings, shardings) -> Callable:
-  """The jitted step: explicit in/out shardings, state donated."""
+def jit_train_step(graphdef, tx, schedule, settings: StepSettings, shardings,
+                   tables=None) -> Callable:
+  """The jitted step `(state, batch) -> (state, metrics)`: explicit shardings, state donated.
+
+  Args:
+    graphdef, tx, schedule, settings, shardings: the model, optimizer and step.
+    tables: the popularity sampler's table (`sampler_tables`; a
+      ShapeDtypeStruct will do for `.lower`), required when
+      `needs_item_counts(settings)`; it is bound to the step, which then
+      passes it as the jitted function's third argument.
+
+  Raises:
+    ValueError: the step needs `tables` and none was given.
+  """
+  if needs_item_counts(settings) and tables is None:
+    raise ValueError("config.loss.sampler='popularity' needs the item counts: pass "
+                     "tables=sampler_tables(settings, counts, rows) to jit_train_step")
   replicated = NamedSharding(settings.mesh, P())
   step = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
                            settings=settings)
-  return jax.jit(
-      step,
-      in_shardings=(shardings, batch_sharding(settings.mesh, settings.token_axes)),
-      out_shardings=(shardings, replicated),
-      donate_argnums=(0,),
-  )
+  batch = batch_sharding(settings.mesh, settings.token_axes)
+  if not needs_item_counts(settings):
+    return jax.jit(step, in_shardings=(shardings, batch), out_shardings=(shardings, replicated),
+                   donate_argnums=(0,))
+  jitted = jax.jit(step, in_shardings=(shardings, batch, replicated),
+                   out_shardings=(shardings, replicated), donate_argnums=(0,))
+  return BoundStep(jitted, tables)
+
+
+class BoundStep(NamedTuple):
+  """A jitted step with its sampler table bound: called and lowered as `(state, batch)`."""
+  jitted: Any
+  tables: Any
+
+  def __call__(self, state, batch):
+    return self.jitted(state, batch, self.tables)
+
+  def lower(self, state, batch):
+    return self.jitted.lower(state, batch, self.tables)
 
 
 class StatePlan(NamedTuple):

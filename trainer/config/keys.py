@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from etils import epath
 
 from cutbce.backends import BACKEND_CHOICES
-from trainer import paths
+from trainer import paths, sampled
 from trainer.data import engine, files, prepare, sources, splits, windows, yambda
 from trainer.config.schema import (BOOL, FLOAT, INT, INTS, STR, STRS, ConfigError, Rule, above,
                             at_least, flatten, fraction, key, one_of, sections_of, unit)
@@ -45,6 +45,8 @@ _YAMBDA = ("data.dataset", ("yambda",))
 _FILES = ("data.dataset", ("files",))
 _GTS = ("data.split", ("gts",))
 _INT32_IDS = schema.Range(1, 2**31 - 1)
+LOSS_KINDS = ("bce", "softmax_ce") + sampled.SAMPLED_KINDS
+_SOFTMAX_KINDS = ("softmax_ce", "sampled_softmax", "in_batch")
 
 KEYS: tuple[schema.Key, ...] = (
     key("seed", INT, at_least(0), "seed of parameter init, dropout and the data shuffle"),
@@ -149,12 +151,25 @@ KEYS: tuple[schema.Key, ...] = (
         "validation window (0: no validation examples)", when=_GTS),
     key("data.split_options.gap", INT, at_least(0), "gap before each window", when=_GTS,
         required=False),
-    key("loss.kind", STR, one_of("bce", "softmax_ce"), "the loss: full-catalog BCE "
-        "(`cut_bce`) or full-catalog softmax cross-entropy (`cut_softmax_ce`)"),
+    key("loss.kind", STR, one_of(*LOSS_KINDS), "the loss: full-catalog BCE "
+        "(`cut_bce`) or full-catalog softmax cross-entropy (`cut_softmax_ce`), or a sampled "
+        "baseline over k negatives: sampled softmax, gSASRec's gBCE, or in-batch negatives "
+        "(`trainer/sampled.py`)"),
+    key("loss.num_negatives", INT, at_least(1), "k: negatives per batch or per position of "
+        "the sampled kinds (None: in_batch with every target slot of the batch)",
+        none_ok=True),
+    key("loss.sampler", STR, one_of(*sampled.SAMPLERS), "sampled_softmax, gbce: negatives "
+        "drawn uniformly over the catalog or in proportion to the items' training counts"),
+    key("loss.negatives_per", STR, one_of(*sampled.NEGATIVES_PER), "sampled kinds: one set "
+        "of k negatives shared by every position of the batch, or k per position"),
+    key("loss.logq", BOOL, None, "sampled_softmax, in_batch: subtract log(k q(item)) from "
+        "each negative's logit (q: the probability the sampler draws the item)"),
+    key("loss.gbce_t", FLOAT, unit(), "gbce: calibration t; beta = 1 + t (k / (V - 1) - 1) "
+        "is the positive term's exponent (t = 0: plain BCE over the sampled items)"),
     key("loss.backend", STR, one_of(*BACKEND_CHOICES), "`cutbce` backend of the loss"),
     key("loss.vocab_reduction", STR, one_of("mean", "sum"), "l_t divided by V (mean) or not"),
-    key("loss.target_reduction", STR, one_of("sum", "mean"), "softmax_ce: a position's "
-        "terms over its distinct targets added (sum) or averaged (mean)"),
+    key("loss.target_reduction", STR, one_of("sum", "mean"), "softmax_ce, sampled_softmax, "
+        "in_batch: a position's terms over its distinct targets added (sum) or averaged (mean)"),
     key("loss.exclude", STR, one_of("none", "window"), "'window': each position's negatives "
         "leave out the items of its training window (passed as `exclude`; targets stay "
         "targets); 'none': every item not a target is a negative"),
@@ -338,9 +353,63 @@ def _softmax_ce_has_no_variants(values, context):
 
 def _target_mean_is_softmax_ce(values, context):
   del context
-  if values["loss.target_reduction"] == "mean" and values["loss.kind"] != "softmax_ce":
-    return ("'sum' with config.loss.kind='bce' (BCE has one term per item, not one per "
-            "target; 'mean' is for 'softmax_ce')")
+  kind = values["loss.kind"]
+  if values["loss.target_reduction"] == "mean" and kind not in _SOFTMAX_KINDS:
+    return (f"'sum' with config.loss.kind={kind!r} (BCE has one term per item, not one per "
+            f"target; 'mean' is for {', '.join(map(repr, _SOFTMAX_KINDS))})")
+  return None
+
+
+_BCE_VARIANTS = ("loss.pos_weight", "loss.logit_soft_cap", "loss.focal_gamma",
+                 "loss.focal_alpha")
+
+
+def _sampled_has_no_variants(values, context):
+  del context
+  kind = values["loss.kind"]
+  if kind not in sampled.SAMPLED_KINDS:
+    return None
+  on = [k for k in _BCE_VARIANTS if values[k] is not None]
+  if values["loss.label_smoothing"]:
+    on.append("loss.label_smoothing")
+  if on:
+    return (f"'bce' or 'softmax_ce' to use {', '.join('config.' + k for k in on)} (the "
+            "sampled losses take no loss variant)")
+  if values["loss.exclude"] != "none":
+    return (f"'bce' or 'softmax_ce' to use config.loss.exclude={values['loss.exclude']!r} "
+            "(the sampled losses mask only negatives equal to a target)")
+  if values["loss.vocab_reduction"] != "sum":
+    return ("'bce' or 'softmax_ce' to use config.loss.vocab_reduction='mean' (a sampled "
+            "loss sums over its sampled items)")
+  return None
+
+
+def _num_negatives_fits(values, context):
+  del context
+  if values["loss.num_negatives"] is not None:
+    return None
+  if values["loss.kind"] in ("sampled_softmax", "gbce"):
+    return f"an integer >= 1 with config.loss.kind={values['loss.kind']!r}"
+  if values["loss.kind"] == "in_batch" and values["loss.negatives_per"] != "batch":
+    return ("an integer >= 1 with config.loss.negatives_per='position' (None, every "
+            "target slot of the batch, is one set shared by the batch)")
+  return None
+
+
+def _sampler_draws_from_catalog(values, context):
+  del context
+  if values["loss.sampler"] == "popularity" and values["loss.kind"] not in (
+      "sampled_softmax", "gbce"):
+    return (f"'uniform' with config.loss.kind={values['loss.kind']!r} (popularity sampling "
+            "is for 'sampled_softmax' and 'gbce'; in_batch draws the batch's targets)")
+  return None
+
+
+def _logq_is_for_softmax(values, context):
+  del context
+  if values["loss.logq"] and values["loss.kind"] not in ("sampled_softmax", "in_batch"):
+    return (f"False with config.loss.kind={values['loss.kind']!r} (the logQ correction is "
+            "for 'sampled_softmax' and 'in_batch')")
   return None
 
 
@@ -553,7 +622,25 @@ RULES: tuple[Rule, ...] = (
          doc="`{process}` in `data.prepared_dir` only with `data.prepare_per_host`"),
     Rule(name="target_mean_is_softmax_ce", keys=("loss.target_reduction", "loss.kind"),
          check=_target_mean_is_softmax_ce,
-         doc="`loss.target_reduction=\"mean\"` only with `loss.kind=\"softmax_ce\"`"),
+         doc="`loss.target_reduction=\"mean\"` only with a softmax loss (`loss.kind` "
+         "'softmax_ce', 'sampled_softmax' or 'in_batch')"),
+    Rule(name="sampled_has_no_variants",
+         keys=("loss.kind", "loss.pos_weight", "loss.label_smoothing", "loss.logit_soft_cap",
+               "loss.focal_gamma", "loss.focal_alpha", "loss.exclude", "loss.vocab_reduction"),
+         check=_sampled_has_no_variants,
+         doc="the sampled kinds take no loss variant, `loss.exclude=\"none\"` and "
+         "`loss.vocab_reduction=\"sum\"`"),
+    Rule(name="num_negatives_fits", keys=("loss.num_negatives", "loss.kind",
+                                          "loss.negatives_per"),
+         check=_num_negatives_fits,
+         doc="`loss.num_negatives=None` (every target slot) only with `loss.kind=\"in_batch\"` "
+         "and `loss.negatives_per=\"batch\"`"),
+    Rule(name="sampler_draws_from_catalog", keys=("loss.sampler", "loss.kind"),
+         check=_sampler_draws_from_catalog,
+         doc="`loss.sampler=\"popularity\"` only with `loss.kind` 'sampled_softmax' or 'gbce'"),
+    Rule(name="logq_is_for_softmax", keys=("loss.logq", "loss.kind"),
+         check=_logq_is_for_softmax,
+         doc="`loss.logq=True` only with `loss.kind` 'sampled_softmax' or 'in_batch'"),
     Rule(name="softmax_ce_has_no_variants",
          keys=("loss.kind", "loss.pos_weight", "loss.label_smoothing", "loss.logit_soft_cap",
                "loss.focal_gamma", "loss.focal_alpha"),

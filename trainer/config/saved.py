@@ -52,7 +52,9 @@ HARMLESS_SECTIONS = ("eval.", "checkpoint.", "profile.", "compile.")
 # Keys added after runs could already be saved, with the value that a run saved
 # without them trained with: `read` and `check_resume` fill them in, so such a
 # run resumes (and is read by the commands) as it was.
-ADDED_KEYS = {"loss.target_reduction": "sum"}
+ADDED_KEYS = {"loss.target_reduction": "sum", "loss.num_negatives": 128,
+              "loss.sampler": "uniform", "loss.negatives_per": "batch", "loss.logq": False,
+              "loss.gbce_t": 0.75}
 _ABSENT = "(absent)"
 _SECTIONS = schema.sections_of(config_keys.KEYS)
 
