@@ -11,8 +11,9 @@ Two commands, each writing JSON under `--out`:
   device    on one NVIDIA GPU (H100 / H200; jax 0.10.2+ with CUDA), in about
             9 minutes, each part with its own time limit so the later ones
             still run:
-            0. quality the ML-1M runs of QUALITY_GRID (issue 29's SASRec+
-                       recipe: three seeds, exclusion, capacity, BCE), one
+            0. quality ML-1M runs of QUALITY_GRID (--runs; by default
+                       NEXT_RUNS, those not measured yet: issue 29's
+                       exclusion seeds, issue 33's sampled baselines), one
                        process each, all at once on this GPU (mesh data=1,
                        the configs' global batch), cut at --quality-s.
             1. tests   the fast GPU subset (test_gpu.py, whose Triton kernels
@@ -264,11 +265,27 @@ QUALITY_GRID = (
     ("ce_capacity_exclude_seed2", SASREC_PLUS,
      ["seed=2", "train_steps=5000", "loss.exclude='window'", *CAPACITY]),
 )
-# The runs a plain `device` call makes: what the grid has not measured yet,
-# then the best recipes' seeds again (configs/ml1m_best.py, ml1m_best_bce.py).
-NEXT_RUNS = ("ce_capacity_exclude_seed0", "ce_capacity_exclude_seed1",
-             "ce_capacity_exclude_seed2", "ce_capacity_seed0", "ce_capacity_seed1",
-             "ce_capacity_seed2", "bce_capacity_seed0", "bce_capacity_seed1")
+# Issue 33: the sampled baselines on the best recipe, against its exact CE
+# (ce_capacity_*) and BCE (bce_capacity_*); same steps, one seed each.
+BEST = "configs/ml1m_best.py"
+QUALITY_GRID += (
+    ("best_sampled_softmax_k128_seed0", BEST,
+     ["seed=0", "loss.kind='sampled_softmax'", "loss.num_negatives=128"]),
+    ("best_sampled_softmax_k1024_seed0", BEST,
+     ["seed=0", "loss.kind='sampled_softmax'", "loss.num_negatives=1024"]),
+    ("best_sampled_softmax_k128_pop_logq_seed0", BEST,
+     ["seed=0", "loss.kind='sampled_softmax'", "loss.num_negatives=128",
+      "loss.sampler='popularity'", "loss.logq=True"]),
+    ("best_sampled_softmax_k128_pop_seed0", BEST,
+     ["seed=0", "loss.kind='sampled_softmax'", "loss.num_negatives=128",
+      "loss.sampler='popularity'"]),
+    ("best_gbce_k256_seed0", BEST, ["seed=0", "loss.kind='gbce'", "loss.num_negatives=256"]),
+)
+# The runs a plain `device` call makes: what the grid has not measured yet.
+NEXT_RUNS = ("ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2",
+             "best_sampled_softmax_k128_seed0", "best_sampled_softmax_k1024_seed0",
+             "best_sampled_softmax_k128_pop_logq_seed0", "best_sampled_softmax_k128_pop_seed0",
+             "best_gbce_k256_seed0")
 
 
 def part_quality(out: pathlib.Path, limit_s: int, names) -> dict:
