@@ -137,6 +137,52 @@ def test_minus_inf_scores_rank_last_but_eligible():
   np_topk.assert_top_k(got, ref, k)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_scores_rank_after_every_number(backend):
+  """A NaN table row (a diverged item) is never a top item ahead of a number, -inf included.
+
+  lax.top_k alone puts a NaN first. The k reaches past the finite and -inf
+  scores, so the NaN items come back last, as NaN, ties to the smaller id.
+  """
+  hidden, table, bias, exclude = integer_inputs(vocab=40, num_exclude=4)
+  table[5] = np.nan  # NaN for every position
+  table[7, 0] = np.inf  # inf * 0 is NaN, inf * -1 is -inf: mixed across positions
+  bias[[2, 11]] = -np.inf
+  bias[17] = np.nan
+  hidden[0, 0] = np.nan  # one position whose every score is NaN
+  k = 40 - 4
+  got = topk.top_k(hidden, table, k, bias=bias, exclude=exclude, backend=backend,
+                   plan=cutbce.TilePlan(block_v=8))
+  ref = np_topk.oracle(hidden, table, bias=bias, exclude=exclude)
+  np_topk.assert_top_k(got, ref, k)
+  scores, ids = (np.asarray(a).reshape(-1, k) for a in got)
+  for row_scores in scores:  # numbers first, then every NaN
+    nan = np.isnan(row_scores)
+    assert not np.any(nan[:-1] & ~nan[1:]), row_scores
+  assert np.isnan(scores[0]).all()
+  np.testing.assert_array_equal(ids[0], np.sort(ids[0]))  # all tie: id order
+  dense = topk.top_k(hidden, table, k, bias=bias, exclude=exclude, backend="dense")
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(dense[1]))
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(dense[0]))
+  # A small k, no exclude: the NaN items never take a finite item's slot.
+  small = topk.top_k(hidden[1:], table, 3, bias=bias, backend=backend,
+                     plan=cutbce.TilePlan(block_v=8))
+  np_topk.assert_top_k(small, np_topk.oracle(hidden[1:], table, bias=bias), 3)
+
+
+def test_order_key_orders_as_the_floats_with_nan_lowest():
+  values = np.array([np.nan, -np.inf, -3e38, -1.0, -1e-45, 0.0, 1e-45, 2.0, 3e38, np.inf,
+                     -np.nan], np.float32)
+  keys = np.asarray(topk.order_key(jnp.asarray(values)))
+  numbers = keys[1:-1]
+  assert np.all(np.diff(numbers) > 0)
+  assert keys[0] == keys[-1] < numbers.min()
+  back = np.asarray(topk.from_key(jnp.asarray(keys)))
+  np.testing.assert_array_equal(back[1:-1], values[1:-1])
+  assert np.isnan(back[0]) and np.isnan(back[-1])
+
+
 def test_soft_cap_orders_by_capped_score():
   # With c = 1, x = 9 and x = 10 round to the same capped score 1.0 in float32:
   # they tie, so the smaller id wins although its raw logit is smaller.

@@ -344,6 +344,42 @@ def test_recommend_stopped_midway_leaves_the_previous_file_whole(trained, tmp_pa
   assert out.read_text() == "previous\n" and sorted(os.listdir(tmp_path)) == ["recs.jsonl"]
 
 
+def test_recommend_lists_nan_scored_items_last_and_says_so(trained, tmp_path, capsys,
+                                                          monkeypatch):
+  """Three items whose score is NaN (a +NaN bias: above +inf in lax.top_k's own order):
+  never ahead of a number, written as null, and a warning line."""
+  from trainer import model as model_lib  # pylint: disable=import-outside-toplevel
+  workdir, _, _ = trained
+  nan_rows = np.array([0, 5, 7])
+
+  def nan_bias(self):
+    rows = jnp.arange(self.item_table.shape[0])
+    return jnp.where(jnp.isin(rows, nan_rows), jnp.float32(np.nan), jnp.float32(0.0))
+
+  monkeypatch.setattr(model_lib.SASRec, "output_bias", property(nan_bias))
+  out = tmp_path / "recs.jsonl"
+  data = workdir_lib.open_run(workdir, say=lambda line: None).data
+  status, _, err = _run(recommend, capsys, f"--workdir={workdir}", "--top_k=10",
+                        "--include_seen", f"--out={out}")
+  assert status == 0 and "warning" not in err, err
+  for line in out.read_text().splitlines():  # a NaN never takes a finite item's place
+    record = json.loads(line)
+    assert not set(record["items"]) & set(data.item_ids[nan_rows].tolist()), record
+    assert all(isinstance(score, float) for score in record["scores"])
+  k = data.num_items  # every item: the three NaN ones come last
+  status, _, err = _run(recommend, capsys, f"--workdir={workdir}", f"--top_k={k}",
+                        "--include_seen", f"--out={out}")
+  assert status == 0, err
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert len(records) == data.num_users
+  for record in records:
+    assert record["items"][-3:] == data.item_ids[nan_rows].tolist()
+    assert record["scores"][-3:] == [None] * 3
+    assert all(isinstance(score, float) for score in record["scores"][:-3])
+  assert (f"warning: the model's scores are not finite for {data.num_users:,} of "
+          f"{data.num_users:,} users") in err
+
+
 def _histories(data):
   return [np.asarray(data.items[data.offsets[u]:data.offsets[u + 1]])
           for u in range(data.num_users)]

@@ -15,7 +15,10 @@ unless `--include_seen`. The output file holds one JSON line per user,
     {"user": <raw user id>, "items": [<raw item id>, ...], "scores": [...]}
 
 items by descending score (ties to the smaller dense id), ids as in the raw
-data (integers, or strings for string-id sources). Users go in batches of
+data (integers, or strings for string-id sources). A score that is not a
+finite number (a diverged model's NaN) is written as null, its item ranked
+after every item with a number (NaN last), and the command ends with a
+warning line counting the users concerned. Users go in batches of
 `--batch_size` (default the run's `eval_batch_size`; never more than the
 users, rounded up to the token shards; a batch whose forward step is over
 the int32 or memory bound of `trainer/config/budget.py` is refused in one
@@ -141,8 +144,12 @@ def top_k_step(params, batch, *, graphdef, settings: train_lib.StepSettings, k: 
 
 
 def recommend(run, users: np.ndarray, *, k: int, include_seen: bool, batch_size: int,
-              write, progress=None) -> None:
+              write, progress=None) -> int:
   """Writes `write(record)` for each user in order (see the module docstring).
+
+  A score that is not finite (NaN from a diverged model or a NaN row, or
+  +-inf) is written as null; `cutbce.top_k` ranks NaN scores after every
+  number, so such items come last, after every item with a score.
 
   Args:
     run: a `trainer.commands.workdir.TrainedRun`.
@@ -152,8 +159,12 @@ def recommend(run, users: np.ndarray, *, k: int, include_seen: bool, batch_size:
     batch_size: users per step, a multiple of the token shards.
     write: called with each user's dict.
     progress: called with the number of users done after each batch.
+
+  Returns:
+    The number of users with a score that is not finite.
   """
   data, settings = run.data, run.settings
+  non_finite = 0
   sharding = train_lib.batch_sharding(settings.mesh, settings.token_axes)
   step = jax.jit(functools.partial(top_k_step, graphdef=run.graphdef, settings=settings, k=k),
                  in_shardings=(run.param_shardings, sharding), out_shardings=(sharding, sharding))
@@ -167,11 +178,15 @@ def recommend(run, users: np.ndarray, *, k: int, include_seen: bool, batch_size:
     scores, ids = jax.device_get(step(run.params, data_lib.to_global_arrays(batch, sharding)))
     raw_users = data.user_ids[chunk].tolist()
     raw_items = data.item_ids[ids[:chunk.shape[0]]].tolist()
+    finite = np.isfinite(scores[:chunk.shape[0]])  # [b, k]
+    non_finite += int(np.sum(~finite.all(axis=1)))
     for row, user in enumerate(raw_users):
       write({"user": user, "items": raw_items[row],
-             "scores": [float(score) for score in scores[row]]})
+             "scores": [float(score) if ok else None
+                        for score, ok in zip(scores[row], finite[row])]})
     if progress is not None:
       progress(start + chunk.shape[0])
+  return non_finite
 
 
 def _batch_size(run, requested: int | None, *, num_users: int) -> int:
@@ -217,13 +232,20 @@ def _command(values) -> int:
   temporary = out.parent / f".{out.name}.tmp-{os.getpid()}"
   try:
     with temporary.open("w") as file:
-      recommend(run, users, k=k, include_seen=values["include_seen"], batch_size=batch_size,
-                write=lambda record: file.write(json.dumps(record) + "\n"), progress=progress)
+      non_finite = recommend(
+          run, users, k=k, include_seen=values["include_seen"], batch_size=batch_size,
+          write=lambda record: file.write(json.dumps(record, allow_nan=False) + "\n"),
+          progress=progress)
     temporary.replace(out)
   finally:
     if temporary.exists():
       temporary.unlink()
   cli.notice(f"wrote {users.shape[0]:,} users' top {k} to {out}")
+  if non_finite:
+    cli.notice(f"warning: the model's scores are not finite for {non_finite:,} of "
+               f"{users.shape[0]:,} users (NaN: a diverged model or NaN table rows; or an "
+               "infinite bias): those items are listed last with score null; check the "
+               f"checkpoint of step {run.step}")
   return 0
 
 
