@@ -7,8 +7,13 @@ The workdir may be local or `gs://...`; both files are written through
 `etils.epath`. An object in a bucket cannot be appended to, so on object
 storage each file is kept in memory and rewritten whole, at most every
 `REMOTE_FLUSH_SECONDS` and when the writer closes (a crash loses at most that
-much); locally every record is appended and flushed at once. A restart reads
-back the `metrics.jsonl` it continues. TensorBoard event files of a remote
+much); locally every record is appended whole, one `write` of the encoded
+line to a file opened unbuffered for appending, so a crash can tear at most
+the last line, never interleave two. A restart reads back the
+`metrics.jsonl` it continues; a torn last line (no newline: a crash while it
+was written) is cut off first, with a warning, so the next record starts on
+a line of its own. `read_metrics` is the reader: it skips a line that is not
+a whole record, with a warning. TensorBoard event files of a remote
 workdir go through the same path (`_ObjectEventFile`, registered as
 tensorboardX's writer for the scheme) rather than tensorboardX's own GCS
 client.
@@ -76,6 +81,67 @@ class _ObjectEventFiles:
     epath.Path(path).mkdir(parents=True, exist_ok=True)
 
 
+def _append(file, data: bytes) -> None:
+  """Appends `data` with as few writes as the OS allows (one, for a line of a few KB)."""
+  view = memoryview(data)
+  while view:
+    view = view[file.write(view):]
+
+
+def drop_torn_tail(path: str | os.PathLike) -> int:
+  """Cuts a local JSONL file after its last newline; returns the bytes dropped.
+
+  A last line without its newline was being written when the writer died:
+  it is not a record. Logged as a warning when there is one.
+  """
+  path = os.fspath(path)
+  if not os.path.isfile(path) or os.path.getsize(path) == 0:
+    return 0
+  with open(path, "rb+") as file:
+    size = file.seek(0, os.SEEK_END)
+    keep, block = size, 4096
+    while keep > 0:  # the end of the last whole line, read backwards
+      start = max(0, keep - block)
+      file.seek(start)
+      newline = file.read(keep - start).rfind(b"\n")
+      if newline >= 0:
+        keep = start + newline + 1
+        break
+      keep = start
+    if keep == size:
+      return 0
+    file.truncate(keep)
+  logging.warning("%s: dropped a torn last line of %d bytes (a crash while it was written)",
+                  path, size - keep)
+  return size - keep
+
+
+def read_metrics(workdir: str | os.PathLike, kind: str | None = None) -> list[dict]:
+  """The records of `WORKDIR/metrics.jsonl` (of one `kind` if given), in file order.
+
+  A line that is not a whole JSON object is skipped with a warning naming
+  it: a torn last line (a crash while it was written), or, in a file an
+  older writer continued after such a crash, the torn line joined to the
+  next record.
+  """
+  path = paths.as_path(workdir) / "metrics.jsonl"
+  if not path.exists():
+    return []
+  records = []
+  for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      record = None
+    if not isinstance(record, dict):
+      logging.warning("%s: skipped line %d, not a whole record (a crash while it was "
+                      "written?): %r", path, number, line[:80])
+      continue
+    if kind is None or record.get("kind") == kind:
+      records.append(record)
+  return records
+
+
 class MetricWriter:
   """Writes scalars to `WORKDIR/metrics.jsonl` and TensorBoard (process 0 only).
 
@@ -98,7 +164,9 @@ class MetricWriter:
       self._lines = self._jsonl_path.read_text() if self._jsonl_path.exists() else ""
       self._unflushed = False
     else:
-      self._jsonl = self._jsonl_path.open("a", encoding="utf-8")
+      drop_torn_tail(self._jsonl_path)
+      # Unbuffered: each record is one write() of the whole line (see `_append`).
+      self._jsonl = open(self._jsonl_path, "ab", buffering=0)  # pylint: disable=consider-using-with
     try:
       import tensorboardX  # pylint: disable=import-outside-toplevel
       from tensorboardX import record_writer  # pylint: disable=import-outside-toplevel
@@ -121,7 +189,7 @@ class MetricWriter:
       self._lines += line
       self._unflushed = True
     else:
-      self._jsonl.write(line)
+      _append(self._jsonl, line.encode("utf-8"))
     if self._tensorboard is not None:
       for name, value in metrics.items():
         self._tensorboard.add_scalar(f"{kind}/{name}", float(value), int(step))
@@ -136,8 +204,6 @@ class MetricWriter:
       if self._unflushed:
         self._jsonl_path.write_text(self._lines)
         self._unflushed = False
-    else:
-      self._jsonl.flush()
     if self._tensorboard is not None:
       self._tensorboard.flush()
     self._last_flush = time.monotonic()

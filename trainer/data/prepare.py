@@ -16,6 +16,7 @@ import inspect
 import json
 import os
 import pathlib
+import shutil
 from collections.abc import Mapping
 
 from trainer import paths
@@ -255,6 +256,65 @@ def is_prepared(folder: str | os.PathLike, *, dataset: str, seq_len: int,
   return not options or not prepared_mismatch(folder, dataset=dataset, **options)
 
 
+STAGING = ".{name}.preparing-{pid}"  # beside the output folder, while it is prepared
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's live process
+    return True
+  return True
+
+
+def _remove_stale_staging(target: pathlib.Path) -> None:
+  """Deletes the staging folders of `target` left by preparations that died."""
+  prefix = STAGING.format(name=target.name, pid="")
+  for entry in target.parent.glob(prefix + "*"):
+    pid = entry.name[len(prefix):]
+    if pid.isdigit() and not _pid_alive(int(pid)):
+      shutil.rmtree(entry, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged(out: str | os.PathLike):
+  """Yields the folder to prepare into; on success its files become ``out``'s.
+
+  A local ``out`` is prepared in a hidden folder beside it
+  (``.<name>.preparing-<pid>``, same file system), so nothing is written
+  into ``out`` while the data is computed: a preparation that fails or is
+  killed leaves ``out`` as it was (less its manifest, removed first) and no
+  half-written array in it. On success a new or empty ``out`` is the staging
+  folder renamed (one atomic step); an ``out`` that holds other files (an
+  older preparation, a lock) gets the new files by rename, the manifest
+  last, so a folder with a manifest is always complete. Staging folders of
+  dead processes are deleted. On object storage (no rename) the files go
+  straight to ``out``, each whole, the manifest last.
+  """
+  if paths.is_remote(out):
+    yield out
+    return
+  target = pathlib.Path(os.fspath(out))
+  target.parent.mkdir(parents=True, exist_ok=True)
+  _remove_stale_staging(target)
+  staging = target.parent / STAGING.format(name=target.name, pid=os.getpid())
+  shutil.rmtree(staging, ignore_errors=True)
+  staging.mkdir()
+  try:
+    yield staging
+    if not target.exists() or (target.is_dir() and not any(target.iterdir())):
+      os.replace(staging, target)  # the whole folder at once (onto an empty one too)
+      return
+    for entry in sorted(staging.iterdir()):
+      if entry.name != storage.MANIFEST:
+        os.replace(entry, target / entry.name)
+    os.replace(staging / storage.MANIFEST, target / storage.MANIFEST)  # last: complete
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+
+
 def prepare_dataset(dataset: str, out: str | os.PathLike, *,
                     min_item_count: int | None = None,
                     min_user_count: int = 1, split: str = "loo",
@@ -266,7 +326,9 @@ def prepare_dataset(dataset: str, out: str | os.PathLike, *,
   """Prepares a dataset into ``out`` and returns its manifest.
 
   Any manifest already in ``out`` is removed first, so a failure at any step
-  leaves no manifest behind.
+  leaves no manifest behind; the new files are written beside ``out`` and
+  moved in once complete (:func:`staged`), so a stopped preparation leaves
+  no partial array in ``out``.
 
   Args:
     dataset: a name of :data:`trainer.data.sources.SOURCE_NAMES`.
@@ -315,12 +377,13 @@ def prepare_dataset(dataset: str, out: str | os.PathLike, *,
   if engine == "duckdb" and scan is None:
     raise ValueError(f"engine 'duckdb' prepares the files and yambda sources, not "
                      f"{dataset!r}; expected engine 'memory' or 'auto'")
-  if scan is not None:
-    from trainer.data import engine as engine_lib  # pylint: disable=import-outside-toplevel
-    return engine_lib.prepare_scan(scan, out, dataset=dataset, memory_limit=memory_limit,
-                                   temp_dir=temp_dir, **options)
-  raw = loader(**dict(source_options or {}))
-  return prepare_interactions(raw, out, dataset=dataset, **options)
+  with staged(out) as folder:
+    if scan is not None:
+      from trainer.data import engine as engine_lib  # pylint: disable=import-outside-toplevel
+      return engine_lib.prepare_scan(scan, folder, dataset=dataset, memory_limit=memory_limit,
+                                     temp_dir=temp_dir, **options)
+    raw = loader(**dict(source_options or {}))
+    return prepare_interactions(raw, folder, dataset=dataset, **options)
 
 
 def prepare_interactions(raw: sources.Interactions, out: str | os.PathLike, *,
