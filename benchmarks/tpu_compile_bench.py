@@ -48,14 +48,25 @@ SOFTMAX = {"dense_ce": "dense", "cut_ce": "auto"}
 VOCABS = (131_072, 876_939, 2_000_000, 5_000_000, 10_000_000)
 
 
-def train_step(chip: str, backend: str, *, batch: int, vocab: int) -> dict:
-  """The compiled train step's per-chip memory (or the compiler's refusal)."""
+def loss_overrides(backend: str) -> dict:
+  """The `config.loss` fields of one of BACKENDS or SOFTMAX."""
+  if backend in SOFTMAX:
+    return {"kind": "softmax_ce", "backend": SOFTMAX[backend]}
+  return {"backend": BACKENDS[backend]}
+
+
+def train_step(chip: str, backend: str, *, batch: int, vocab: int,
+               loss: dict | None = None) -> dict:
+  """The compiled train step's per-chip memory (or the compiler's refusal).
+
+  `backend` names the case; `loss` (default `loss_overrides(backend)`) is
+  what it sets in the config's `config.loss` (`benchmarks/loss_cost.py`
+  passes the sampled kinds' fields).
+  """
   topology = f"{chip}-8"
   config = yambda50m_v6e8.get_config()
   config.batch_size = batch
-  if backend in SOFTMAX:
-    config.loss.kind = "softmax_ce"
-  config.loss.backend = {**BACKENDS, **SOFTMAX}[backend]
+  config.loss.update(loss_overrides(backend) if loss is None else loss)
   devices = compiler.topology_devices(topology)
   config_mesh.check_config(config, devices=devices)
   mesh = config_mesh.make_mesh(config, devices)
@@ -82,18 +93,30 @@ HEADER = (f"{'chip':>4} {'loss':>8} {'batch':>6} {'V':>11} {'peak GiB':>9} {'fit
 
 
 class Cache:
-  """Results by case, saved after each compile."""
+  """Results by case, saved after each compile.
 
-  def __init__(self, path: pathlib.Path, fresh: bool):
-    self.path = path
-    self.results = {} if fresh or not path.exists() else json.loads(path.read_text())["cases"]
+  The cases are the file's `section` (other keys of the file are kept;
+  `header` is written beside them); `losses` maps a case name to its
+  `config.loss` fields (default: BACKENDS and SOFTMAX).
+  """
+
+  def __init__(self, path: pathlib.Path, fresh: bool, *, section: str = "cases",
+               header: dict | None = None, losses: dict | None = None):
+    self.path, self.section, self.losses = path, section, losses or {}
+    self.header = {"paper": PAPER} if header is None else header
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    self.results = {} if fresh else saved.get(section, {})
 
   def get(self, chip, backend, batch, vocab) -> dict:
     key = f"{chip}/{backend}/b{batch}/v{vocab}"
     if key not in self.results:
-      self.results[key] = train_step(chip, backend, batch=batch, vocab=vocab)
+      self.results[key] = train_step(chip, backend, batch=batch, vocab=vocab,
+                                     loss=self.losses.get(backend))
       self.path.parent.mkdir(parents=True, exist_ok=True)
-      self.path.write_text(json.dumps({"paper": PAPER, "cases": self.results}, indent=1) + "\n")
+      saved = json.loads(self.path.read_text()) if self.path.exists() else {}
+      saved.update(self.header)
+      saved[self.section] = self.results
+      self.path.write_text(json.dumps(saved, indent=1) + "\n")
     result = self.results[key]
     print(_row(result), flush=True)
     return result
