@@ -50,11 +50,12 @@ position's distinct targets and its unmasked negatives, threshold logit > 0.
 Cost: per step, T x k x D multiply-adds for the negatives' logits (and the
 same twice in the backward), T x L x D for the targets', and a gather of k
 (per batch) or T x k (per position) table rows; no pass over the catalog.
-On a mesh whose vocab axis splits the table, `jnp.take` of the rows is
-partitioned by XLA into a masked local gather on each vocab shard and one
-all-reduce of the gathered `[k, D]` (or `[T_local, k, D]`) rows over the
-vocab axis; its transpose, the backward, scatter-adds the rows' cotangents
-into each shard. The table is never gathered whole.
+On a mesh whose vocab axis splits the table, the rows come from
+`take_rows`, one `shard_map`: each vocab shard reads the ids that fall in
+its own rows, and the rows are summed over the vocab axis (an all-reduce of
+`[k, D]`, or a reduce-scatter of `[T_local, k, D]`); the backward
+scatter-adds the rows' cotangents into each shard. The table is never
+gathered whole (XLA's own partitioning of `jnp.take` all-gathered it).
 """
 
 from __future__ import annotations
