@@ -4,8 +4,9 @@
 
     x_tv = h_t . e_v (+ b_v)      (c tanh(x_tv / c) with a soft cap c),
 
-sorted descending with ties to the smaller id and NaN scores last, never
-returning an excluded id or a padding row (v >= num_items). No `[T, V]` array exists: the first
+sorted descending with ties to the smaller id, never returning an excluded id
+or a padding row (v >= num_items); a NaN score counts as -inf (`score_tile`),
+so it never takes a finite item's place. No `[T, V]` array exists: the first
 `num_items` rows of the table are walked in tiles of `block_v` rows (a
 `lax.scan` over the full tiles and one statically shaped tail tile, as in
 `cutbce/kernels/xla.py`), and a `[T, K]` carry of the best K candidates so far
@@ -21,17 +22,6 @@ the carry comes first in the concat, so position order is id order among
 equal scores. The carry starts as the top-K of the first tile (at least K rows
 wide) rather than a -inf sentinel, so an item scoring -inf (a bias of -inf)
 is never pushed out by a fake entry.
-
-Why a NaN score ranks last. `lax.top_k` orders floats totally, and a
-positive NaN sits above +inf there: a NaN table row (a diverged model) would
-be every position's top item. So the walk and the final selection order
-candidates not by the float but by an int32 key (`order_key`): the float's
-bits made monotone (negative floats have their magnitude bits flipped), every
-NaN mapped to the smallest int32. Keys order exactly as the scores do, -inf
-included, and a NaN after every number, as `target_ranks` ranks a NaN item
-(docs/loss.md); `from_key` turns a key back into its score (a NaN key into
-NaN), so NaN scores come back as NaN, last. The keys cost three elementwise
-operations per tile element beside the tile's GEMM.
 
 Why exclusion is exact and cheap. At most E distinct ids are excluded per
 position, so the walk keeps K = min(k + E, num_items) candidates, blind to the
@@ -88,9 +78,6 @@ TOPK_MAX_BLOCK_V = 65_536
 
 # Id of an ineligible candidate in `select`: sorts after every real id.
 _NO_ID = np.iinfo(np.int32).max
-# The order key of every NaN score: below every number's key (`order_key`).
-_NAN_KEY = np.iinfo(np.int32).min
-_MAGNITUDE_BITS = 0x7FFF_FFFF
 
 
 class TopKSpec(NamedTuple):
@@ -204,37 +191,23 @@ def default_block_v(num_tokens: int, num_rows: int) -> int:
 
 
 def score_tile(hidden, table_tile, bias_tile, soft_cap):
-  """`[T, block_v]` float32 scores: x (or c tanh(x / c)), with -0.0 made +0.0.
+  """`[T, block_v]` float32 scores: x (or c tanh(x / c)), -0.0 made +0.0, NaN made -inf.
 
   The soft cap is monotone, so ordering by the capped score is what a caller
   that caps its logits expects; distinct x may round to one capped score and
   then tie (to the smaller id). lax.top_k orders floats totally (-0.0 < +0.0):
-  mapping -0.0 to +0.0 makes numerically equal scores tie.
+  mapping -0.0 to +0.0 makes numerically equal scores tie. In that order a
+  positive NaN is above +inf: a NaN table row (a diverged item) would be
+  every position's first candidate and take a finite item's place. So a NaN
+  score is -inf: after every finite score, tied with -inf scores (to the
+  smaller id), returned as -inf. One fused select per tile element; keeping
+  NaN apart from -inf (int32 order keys for lax.top_k) was measured 34x
+  slower on CPU, where XLA's TopK has a fast path for float32 only.
   """
   scores = xla_kernels.tile_logits(hidden, table_tile, bias_tile)  # [T, block_v] f32
   if soft_cap is not None:
     scores = soft_cap * jnp.tanh(scores / soft_cap)
-  return jnp.where(scores == 0.0, 0.0, scores)
-
-
-def order_key(scores):
-  """int32 keys of float32 `scores` that order as the scores do, every NaN lowest.
-
-  IEEE float32 bits read as int32 order the non-negative floats; flipping
-  the magnitude bits of the negative ones reverses their order (a larger
-  magnitude gives a smaller key), so keys are monotone over [-inf, +inf]
-  (-0.0 below +0.0: `score_tile` maps -0.0 to +0.0 first). A NaN, whatever
-  its sign and payload, gets the smallest int32, below -inf's key.
-  """
-  bits = lax.bitcast_convert_type(scores, jnp.int32)
-  keys = jnp.where(bits < 0, bits ^ _MAGNITUDE_BITS, bits)
-  return jnp.where(jnp.isnan(scores), _NAN_KEY, keys)
-
-
-def from_key(keys):
-  """The float32 scores of `order_key` keys (the NaN key comes back as a NaN)."""
-  bits = jnp.where(keys < 0, keys ^ _MAGNITUDE_BITS, keys)
-  return lax.bitcast_convert_type(bits, jnp.float32)
+  return jnp.where(scores == 0.0, 0.0, jnp.where(jnp.isnan(scores), -jnp.inf, scores))
 
 
 def running_top_k(hidden, table, bias, *, num_rows: int, num_candidates: int,
@@ -248,45 +221,40 @@ def running_top_k(hidden, table, bias, *, num_rows: int, num_candidates: int,
     block_v: rows per tile after the first tile, which is max(block_v, K)
       rows so that the carry starts full of real candidates.
     soft_cap: c or None.
-    real_rows: optional traced int32 scalar: rows at or past it get the NaN
-      key (a vocabulary shard's padding; tied with NaN scores, their ids sort
-      after every real row's, so they never push out a real candidate).
+    real_rows: optional traced int32 scalar: rows at or past it score -inf
+      (a vocabulary shard's padding; their ids sort after every real row's).
 
   Returns:
-    (scores `[T, K]` float32, ids `[T, K]` int32 row indices), sorted by
-    (score desc, id asc), NaN scores last.
+    (scores `[T, K]` float32, ids `[T, K]` int32 row indices), sorted.
   """
   num_candidates = min(num_candidates, num_rows)
 
-  def keys_of(start, size):
-    keys = order_key(score_tile(hidden, xla_kernels.slice_rows(table, start, size),
-                                xla_kernels.slice_rows(bias, start, size), soft_cap))
+  def scores_of(start, size):
+    scores = score_tile(hidden, xla_kernels.slice_rows(table, start, size),
+                        xla_kernels.slice_rows(bias, start, size), soft_cap)
     if real_rows is not None:
       row_ids = start + jnp.arange(size, dtype=jnp.int32)  # [size]
-      keys = jnp.where(row_ids[None, :] < real_rows, keys, _NAN_KEY)
-    return keys  # [T, size] int32
+      scores = jnp.where(row_ids[None, :] < real_rows, scores, -jnp.inf)
+    return scores  # [T, size]
 
   def step(carry, start, size):
-    carry_keys, carry_ids = carry  # [T, K] each
-    tile = keys_of(start, size)  # [T, block_v]
+    carry_scores, carry_ids = carry  # [T, K] each
+    tile = scores_of(start, size)  # [T, block_v]
     # Carry first: lax.top_k is stable, and every carried id < every tile id.
-    keys, positions = lax.top_k(jnp.concatenate([carry_keys, tile], axis=-1), num_candidates)
+    scores, positions = lax.top_k(jnp.concatenate([carry_scores, tile], axis=-1), num_candidates)
     from_carry = positions < num_candidates
     carried = jnp.take_along_axis(
         carry_ids, jnp.minimum(positions, num_candidates - 1), axis=-1
     )
     ids = jnp.where(from_carry, carried, start + positions - num_candidates)
-    return keys, ids.astype(jnp.int32)
-
-  def scores_of(carry):
-    return from_key(carry[0]), carry[1]
+    return scores, ids.astype(jnp.int32)
 
   first = min(num_rows, max(block_v, num_candidates))
-  keys, ids = lax.top_k(keys_of(0, first), num_candidates)  # [T, K]
-  carry = (keys, ids.astype(jnp.int32))
+  scores, ids = lax.top_k(scores_of(0, first), num_candidates)  # [T, K]
+  carry = (scores, ids.astype(jnp.int32))
   rest = num_rows - first
   if not rest:
-    return scores_of(carry)
+    return carry
   block_v = min(block_v, rest)
   num_full = rest // block_v
 
@@ -298,7 +266,7 @@ def running_top_k(hidden, table, bias, *, num_rows: int, num_candidates: int,
   tail = rest - num_full * block_v
   if tail:
     carry = step(carry, first + num_full * block_v, tail)
-  return scores_of(carry)
+  return carry
 
 
 def excluded(ids, exclude):
@@ -312,23 +280,24 @@ def excluded(ids, exclude):
 
 
 def select(scores, ids, eligible, k: int):
-  """The first k of `[T, n]` candidates by (eligible first, score desc, id asc), NaN last.
+  """The first k of `[T, n]` candidates by (eligible first, score desc, id asc).
 
   A sort of n candidates per token (n = K, or the shards' candidates in a
-  sharded merge), once per call, on three keys: ineligible, the complement
-  of `order_key` (descending scores without negating a float: a NaN score
-  after every number) and the id. Ineligible candidates come back, if at
-  all, as (-inf, int32 max); the callers' k guarantees they never do.
+  sharded merge), once per call. Ineligible candidates come back, if at all,
+  as (-inf, int32 max); the callers' k guarantees they never do.
   """
-  ineligible = (~eligible).astype(jnp.int32)
-  descending = ~order_key(jnp.where(eligible, scores, -jnp.inf))
+  neg_scores = jnp.where(eligible, -scores, jnp.inf)
   ids = jnp.where(eligible, ids, _NO_ID)
-  _, descending, ids = lax.sort((ineligible, descending, ids), dimension=-1, num_keys=3)
-  return from_key(~descending[:, :k]), ids[:, :k]
+  neg_scores, ids = lax.sort((neg_scores, ids), dimension=-1, num_keys=2)
+  return -neg_scores[:, :k], ids[:, :k]
 
 
 def dense_top_k(hidden, table, bias, exclude, spec: TopKSpec):
-  """The materializing reference: `[T, V]` scores and eligibility, `select` over all of them."""
+  """The materializing reference: `[T, V]` scores, ineligible rows to -inf, lax.top_k.
+
+  An eligible item scoring exactly -inf ties with the masked rows here and may
+  lose its place to one of them (the tiled path never returns an ineligible id).
+  """
   vocab = table.shape[0]
   scores = score_tile(hidden, table, bias, spec.soft_cap)  # [T, V]
   eligible = jnp.broadcast_to(jnp.arange(vocab) < spec.num_items, scores.shape)
@@ -336,8 +305,7 @@ def dense_top_k(hidden, table, bias, exclude, spec: TopKSpec):
     valid = exclude >= 0
     rows = jnp.arange(scores.shape[0])[:, None]
     eligible = eligible.at[rows, jnp.where(valid, exclude, 0)].min(~valid)
-  ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), scores.shape)
-  return select(scores, ids, eligible, spec.k)
+  return lax.top_k(jnp.where(eligible, scores, -jnp.inf), spec.k)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "block_v"))
@@ -379,8 +347,9 @@ def top_k(hidden, table, k, *, bias=None, exclude=None, num_items=None,
 
   Returns:
     (scores float32 `[..., k]`, ids int32 `[..., k]`), sorted descending; a
-    NaN score (a NaN table row, hidden state or bias) ranks after every
-    number, -inf included, and comes back as NaN.
+    NaN score (a NaN table row, hidden state or bias) counts as -inf: it
+    ranks after every finite score, tied with -inf ones (smaller id first),
+    and comes back as -inf.
 
   Raises:
     ValueError: bad ranks, D mismatch, exclude leading shape, bias shape, k

@@ -7,8 +7,7 @@ multiple of its size m. Inside one `jax.shard_map`:
     all_gather(hidden, exclude) over the vocab axis, if it splits tokens
     local running top-K over this shard's rows          (no collective)
         rows at or past num_items (padding and the pad to a multiple of m)
-        get the NaN order key inside the walk (`topk.order_key`: after
-        every number, ties to the smaller id, so after every real row): real rows = clip(num_items - offset, 0,
+        score -inf inside the walk: real rows = clip(num_items - offset, 0,
         rows_per_shard) is a traced value, the same program runs on every shard
     ids += shard offset; locally excluded ids removed; keep k per token
     ONE collective of the [T, k] candidates (scores and ids packed into one
@@ -21,8 +20,7 @@ shard's top-k of its eligible items, and each shard's list is exact by the
 argument of `cutbce/topk.py` (K = min(k + E, rows_per_shard) candidates,
 then at most E removed). Ineligible entries (excluded ids, padding rows) are
 (-inf, int32 max) and sort after every real candidate, so they never come
-back: k <= num_items - E guarantees k eligible items per position. NaN
-scores rank after every number, as in `cutbce.top_k` (`topk.select`).
+back: k <= num_items - E guarantees k eligible items per position.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ def oracle(hidden, table, *, bias=None, exclude=None, num_items=None, soft_cap=N
     scores = scores + as_float64(bias)[None]
   if soft_cap is not None:
     scores = soft_cap * np.tanh(scores / soft_cap)
+  scores = np.where(np.isnan(scores), -np.inf, scores)  # top_k's rule: a NaN score is -inf
   eligible = np.zeros(scores.shape, bool)
   eligible[:, :num_items] = True
   if exclude is not None:

@@ -347,7 +347,7 @@ def test_recommend_stopped_midway_leaves_the_previous_file_whole(trained, tmp_pa
 def test_recommend_lists_nan_scored_items_last_and_says_so(trained, tmp_path, capsys,
                                                           monkeypatch):
   """Three items whose score is NaN (a +NaN bias: above +inf in lax.top_k's own order):
-  never ahead of a number, written as null, and a warning line."""
+  never ahead of a finite score, written as null, and a warning line."""
   from trainer import model as model_lib  # pylint: disable=import-outside-toplevel
   workdir, _, _ = trained
   nan_rows = np.array([0, 5, 7])

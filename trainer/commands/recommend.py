@@ -16,9 +16,9 @@ unless `--include_seen`. The output file holds one JSON line per user,
 
 items by descending score (ties to the smaller dense id), ids as in the raw
 data (integers, or strings for string-id sources). A score that is not a
-finite number (a diverged model's NaN) is written as null, its item ranked
-after every item with a number (NaN last), and the command ends with a
-warning line counting the users concerned. Users go in batches of
+finite number (a diverged model's NaN, ranked as -inf by `cutbce.top_k`) is
+written as null, its item after every item with a finite score, and the
+command ends with a warning line counting the users concerned. Users go in batches of
 `--batch_size` (default the run's `eval_batch_size`; never more than the
 users, rounded up to the token shards; a batch whose forward step is over
 the int32 or memory bound of `trainer/config/budget.py` is refused in one
@@ -147,9 +147,9 @@ def recommend(run, users: np.ndarray, *, k: int, include_seen: bool, batch_size:
               write, progress=None) -> int:
   """Writes `write(record)` for each user in order (see the module docstring).
 
-  A score that is not finite (NaN from a diverged model or a NaN row, or
-  +-inf) is written as null; `cutbce.top_k` ranks NaN scores after every
-  number, so such items come last, after every item with a score.
+  A score that is not finite (a diverged model's NaN, which `cutbce.top_k`
+  counts as -inf, or an infinite bias) is written as null; such items come
+  after every item with a finite score.
 
   Args:
     run: a `trainer.commands.workdir.TrainedRun`.

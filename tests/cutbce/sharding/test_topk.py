@@ -72,26 +72,22 @@ def _run(mesh, token_axes, vocab_axis, k, *, num_items=None, use_exclude=True,
 
 
 @pytest.mark.parametrize("shape,token_axes,vocab_axis", LAYOUTS[:3] + LAYOUTS[6:7])
-def test_nan_rows_rank_last_on_every_shard(shape, token_axes, vocab_axis):
-  """NaN table rows come after every number, across shards, as in the unsharded op.
-
-  A whole shard of NaN rows (the first) leaves its real rows tied with its
-  padding's order key: the real ones, smaller ids, still come first.
-  """
+def test_nan_rows_count_as_minus_inf_on_every_shard(shape, token_axes, vocab_axis):
+  """NaN table rows never take a finite item's place, across shards, as unsharded."""
   hidden, table, bias, exclude = _inputs()
-  table, bias = table.copy(), bias.copy()
+  table, bias, hidden = table.copy(), bias.copy(), hidden.copy()
   table[:130] = np.nan  # the first shard's rows and more, on 4 or 8 vocab shards
   table[500:510] = np.nan
   bias[600] = -np.inf
-  hidden = hidden.copy()
   hidden[1, 2] = np.nan  # a position whose every score is NaN
-  k = 1003 - 140 - E + 3  # past every number: NaN items come back too
-  fn = functools.partial(sharded_top_k, k=k, mesh=_mesh(shape), token_axes=token_axes,
-                         vocab_axis=vocab_axis, plan=cutbce.TilePlan(block_v=64))
-  got = jax.jit(lambda h, t, b, x: fn(h, t, bias=b, exclude=x))(hidden, table, bias, exclude)
-  np_topk.assert_top_k(got, np_topk.oracle(hidden, table, bias=bias, exclude=exclude), k)
-  unsharded = top_k(hidden, table, k, bias=bias, exclude=exclude, backend="dense")
-  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(unsharded[1]))
+  for k in (17, 1003 - 140 - E + 3):  # within the finite scores, and past them
+    fn = functools.partial(sharded_top_k, k=k, mesh=_mesh(shape), token_axes=token_axes,
+                           vocab_axis=vocab_axis, plan=cutbce.TilePlan(block_v=64))
+    got = jax.jit(lambda h, t, b, x, fn=fn: fn(h, t, bias=b, exclude=x))(
+        hidden, table, bias, exclude)
+    np_topk.assert_top_k(got, np_topk.oracle(hidden, table, bias=bias, exclude=exclude), k)
+    unsharded = top_k(hidden, table, k, bias=bias, exclude=exclude, backend="xla")
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(unsharded[1]))
 
 
 @pytest.mark.parametrize("shape,token_axes,vocab_axis", LAYOUTS)
