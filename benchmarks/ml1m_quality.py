@@ -127,8 +127,9 @@ def popularity_baseline(prepared_dir: str, ks=(10, 50, 100)) -> dict:
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  path = pathlib.Path(workdir) / "metrics.jsonl"
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  """The run's metrics.jsonl records (a torn last line skipped, with a warning)."""
+  from trainer import logs  # pylint: disable=import-outside-toplevel
+  return logs.read_metrics(workdir)
 
 
 def final_evals(records: list[dict]) -> tuple[int, dict]:

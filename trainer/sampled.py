@@ -69,10 +69,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from cutbce.stats import Stats
-
-SAMPLED_KINDS = ("sampled_softmax", "gbce", "in_batch")
-SAMPLERS = ("uniform", "popularity")
-NEGATIVES_PER = ("batch", "position")
+from trainer.config.keys import NEGATIVES_PER, SAMPLED_KINDS, SAMPLERS  # noqa: F401 (re-exported)
 # The negatives' key is fold_in(step key, NEGATIVES_STREAM); the step key itself
 # feeds dropout (`nnx.Rngs` folds in small counters), so the streams never meet.
 NEGATIVES_STREAM = 0x6E6567

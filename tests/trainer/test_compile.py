@@ -82,3 +82,14 @@ def test_help_exits_0(module):
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr[-2000:]
   assert "--config" in result.stdout + result.stderr
+
+
+@pytest.mark.skipif(NO_LIBTPU, reason="libtpu missing: pip install 'cutbce[tpu]'")
+def test_the_popularity_sampler_compiles_with_its_table():
+  # The step takes the sampler's cumulative counts as a third, replicated argument.
+  result = _compile("--config=configs/smoke.py", "--topology=v6e-8", "--num_items=300",
+                    "--config.loss.kind=sampled_softmax", "--config.loss.sampler=popularity",
+                    "--config.loss.logq=True", "--config.loss.num_negatives=16")
+  assert result.returncode == 0, result.stderr[-3000:]
+  summary = json.loads(result.stdout.strip().splitlines()[-1])
+  assert summary["steps"][0]["step"] == "train" and summary["fits"]

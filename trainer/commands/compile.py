@@ -146,7 +146,9 @@ def step_programs(config, *, num_items: int, mesh) -> dict[str, tuple[Any, tuple
   params = plan.abstract["params"]
   programs = {
       "train": (train_lib.jit_train_step(plan.graphdef, plan.tx, plan.schedule, settings,
-                                         plan.shardings), (plan.abstract, train_batch)),
+                                         plan.shardings,
+                                         tables=_sampler_table(settings, num_items, vocab_shards)),
+                (plan.abstract, train_batch)),
       "eval": (evaluate.jit_eval_step(plan.graphdef, eval_settings, plan.shardings["params"],
                                       filter_seen=config.eval.filter_seen,
                                       ks=tuple(config.eval.ks)), (params, eval_batch)),
@@ -159,6 +161,20 @@ def step_programs(config, *, num_items: int, mesh) -> dict[str, tuple[Any, tuple
   top_k_batch = {key: eval_batch[key] for key in ("inputs", "exclude")}
   programs[f"top_{k}"] = (top_k, (params, top_k_batch))
   return programs
+
+
+def _sampler_table(settings, num_items: int, vocab_shards: int):
+  """The popularity sampler's table (`train.sampler_tables`) as a shape, or None."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+  from trainer import model as model_lib  # pylint: disable=import-outside-toplevel
+  from trainer import train as train_lib  # pylint: disable=import-outside-toplevel
+  if not train_lib.needs_item_counts(settings):
+    return None
+  rows = model_lib.padded_vocab_size(num_items, vocab_shards)
+  return jax.ShapeDtypeStruct((rows,), np.int32,
+                              sharding=NamedSharding(settings.mesh, PartitionSpec()))
 
 
 def _gib(value) -> str:

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from etils import epath
 
 from cutbce.backends import BACKEND_CHOICES
-from trainer import paths, sampled
+from trainer import paths
 from trainer.data import engine, files, prepare, sources, splits, windows, yambda
 from trainer.config.schema import (BOOL, FLOAT, INT, INTS, STR, STRS, ConfigError, Rule, above,
                             at_least, flatten, fraction, key, one_of, sections_of, unit)
@@ -45,7 +45,11 @@ _YAMBDA = ("data.dataset", ("yambda",))
 _FILES = ("data.dataset", ("files",))
 _GTS = ("data.split", ("gts",))
 _INT32_IDS = schema.Range(1, 2**31 - 1)
-LOSS_KINDS = ("bce", "softmax_ce") + sampled.SAMPLED_KINDS
+# The sampled baselines' settings (`trainer/sampled.py` imports them from here).
+SAMPLED_KINDS = ("sampled_softmax", "gbce", "in_batch")
+SAMPLERS = ("uniform", "popularity")
+NEGATIVES_PER = ("batch", "position")
+LOSS_KINDS = ("bce", "softmax_ce") + SAMPLED_KINDS
 _SOFTMAX_KINDS = ("softmax_ce", "sampled_softmax", "in_batch")
 
 KEYS: tuple[schema.Key, ...] = (
@@ -158,9 +162,9 @@ KEYS: tuple[schema.Key, ...] = (
     key("loss.num_negatives", INT, at_least(1), "k: negatives per batch or per position of "
         "the sampled kinds (None: in_batch with every target slot of the batch)",
         none_ok=True),
-    key("loss.sampler", STR, one_of(*sampled.SAMPLERS), "sampled_softmax, gbce: negatives "
+    key("loss.sampler", STR, one_of(*SAMPLERS), "sampled_softmax, gbce: negatives "
         "drawn uniformly over the catalog or in proportion to the items' training counts"),
-    key("loss.negatives_per", STR, one_of(*sampled.NEGATIVES_PER), "sampled kinds: one set "
+    key("loss.negatives_per", STR, one_of(*NEGATIVES_PER), "sampled kinds: one set "
         "of k negatives shared by every position of the batch, or k per position"),
     key("loss.logq", BOOL, None, "sampled_softmax, in_batch: subtract log(k q(item)) from "
         "each negative's logit (q: the probability the sampler draws the item)"),
@@ -367,7 +371,7 @@ _BCE_VARIANTS = ("loss.pos_weight", "loss.logit_soft_cap", "loss.focal_gamma",
 def _sampled_has_no_variants(values, context):
   del context
   kind = values["loss.kind"]
-  if kind not in sampled.SAMPLED_KINDS:
+  if kind not in SAMPLED_KINDS:
     return None
   on = [k for k in _BCE_VARIANTS if values[k] is not None]
   if values["loss.label_smoothing"]:
