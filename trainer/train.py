@@ -20,9 +20,10 @@ The sampled baselines (`"sampled_softmax"`, `"gbce"`, `"in_batch"`,
 negatives only: drawn uniformly or by training popularity (the int32
 cumulative counts passed to the step as an array, `sampler_tables`) or
 taken from the batch's targets, per batch or per position, with an
-optional logQ correction. Their rows are gathered with `jnp.take` from the
-vocab-sharded table (T x k x D multiply-adds and k or T x k rows gathered
-per step; no pass over the catalog, the table never gathered whole).
+optional logQ correction. Their rows come from the vocab-sharded table
+through `sampled.take_rows`, one `shard_map` (T x k x D multiply-adds and k
+or T x k rows gathered per step; no pass over the catalog, the table never
+gathered whole).
 
 With `config.loss.exclude="window"`, every position's negatives leave out the
 items of its own training window (`window_exclude`): the ids are passed to
