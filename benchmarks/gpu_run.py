@@ -280,12 +280,20 @@ QUALITY_GRID += (
      ["seed=0", "loss.kind='sampled_softmax'", "loss.num_negatives=128",
       "loss.sampler='popularity'"]),
     ("best_gbce_k256_seed0", BEST, ["seed=0", "loss.kind='gbce'", "loss.num_negatives=256"]),
+    # The BCE family with a learned item bias (initialised at -log V): on the
+    # make-train recipe it took gBCE's validation NDCG@10 at 500 steps from
+    # 0.011 to 0.030 (docs/results.md, "Which loss should I use?").
+    ("best_gbce_k256_item_bias_seed0", BEST,
+     ["seed=0", "loss.kind='gbce'", "loss.num_negatives=256", "model.item_bias=True"]),
+    ("bce_capacity_item_bias_seed0", SASREC_PLUS,
+     ["seed=0", "train_steps=5000", "loss.kind='bce'", "model.item_bias=True", *CAPACITY]),
 )
 # The runs a plain `device` call makes: what the grid has not measured yet.
 NEXT_RUNS = ("ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2",
              "best_sampled_softmax_k128_seed0", "best_sampled_softmax_k1024_seed0",
              "best_sampled_softmax_k128_pop_logq_seed0", "best_sampled_softmax_k128_pop_seed0",
-             "best_gbce_k256_seed0")
+             "best_gbce_k256_seed0", "best_gbce_k256_item_bias_seed0",
+             "bce_capacity_item_bias_seed0")
 
 
 def part_quality(out: pathlib.Path, limit_s: int, names) -> dict:
