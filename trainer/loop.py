@@ -173,6 +173,9 @@ class Trainer:
     check_config(config, workdir, self.manager, allow_config_change)
     self.mesh = config_mesh.make_mesh(config)
     logs.say(config_mesh.describe_mesh(self.mesh))
+    advice = sampled.recipe_advice(config.loss.kind, bool(config.model.get("item_bias", False)))
+    if advice:
+      logs.say(advice)
     self.data = prepare_data(config, workdir)
     # No training window or no user to evaluate: one line now, not NaN after training.
     data_lib.check_trainable(self.data, seq_len=config.seq_len,

@@ -405,6 +405,23 @@ def _stats(x_pos, pos_mask, x_neg, neg_mask, w) -> Stats:
                fp=count(neg * (x_neg > 0)), tn=count(neg * (x_neg <= 0)))
 
 
+def recipe_advice(loss_kind: str, item_bias: bool) -> str | None:
+  """One line for a setting known to train poorly (printed at the start of training), or None.
+
+  gBCE without an item bias: its k negatives a position push every logit below
+  zero through the item table itself in the first steps; the table collapses
+  onto one shared direction and the model stays near the popularity ranking
+  (MovieLens-1M, `make train` recipe: test NDCG@10 0.0164 at 2,000 steps,
+  0.1031 with the bias; docs/results.md, "Which loss should I use?").
+  """
+  if loss_kind == "gbce" and not item_bias:
+    return ("note: loss.kind='gbce' without model.item_bias=True learns little (its negatives "
+            "collapse the item table onto one direction; on MovieLens-1M it stayed near "
+            "the popularity ranking); set model.item_bias=True (docs/trainer.md, "
+            "'Sampled losses')")
+  return None
+
+
 def draw_negatives(key, loss: SampledLoss, targets, *, num_items: int,
                    cumulative=None) -> Negatives:
   """The step's negatives for `loss` (the catalog samplers, or the batch's target slots)."""

@@ -447,6 +447,33 @@ def test_the_trainer_trains_and_resumes_a_sampled_loss(smoke_data_dir, tmp_path)
   assert len(losses) == 6 and all(np.isfinite(losses))
 
 
+class _Built(Exception):
+  """Stops the trainer once the mesh is made (the advice is said before the data)."""
+
+
+@pytest.mark.parametrize("kind,item_bias,said", [
+    ("gbce", False, True), ("gbce", True, False), ("bce", False, False),
+    ("sampled_softmax", False, False)])
+def test_the_trainer_names_gbces_missing_item_bias(smoke_data_dir, tmp_path, monkeypatch,
+                                                     capsys, kind, item_bias, said):
+  """gBCE without an item bias gets one line at start naming the fix; nothing else does."""
+  config = _mesh_config(smoke_data_dir, "2x4")
+  config.model.item_bias = item_bias
+  config.loss.update(kind=kind, num_negatives=16)
+
+  def stop(*args, **kwargs):
+    raise _Built
+
+  monkeypatch.setattr(loop, "prepare_data", stop)
+  with pytest.raises(_Built):
+    loop.train_and_evaluate(config, str(tmp_path / "run"))
+  lines = [line for line in capsys.readouterr().out.splitlines() if "item_bias" in line]
+  assert lines == (["note: loss.kind='gbce' without model.item_bias=True learns little (its "
+                    "negatives collapse the item table onto one direction; on MovieLens-1M it "
+                    "stayed near the popularity ranking); set model.item_bias=True "
+                    "(docs/trainer.md, 'Sampled losses')"] if said else [])
+
+
 # --------------------------------------------------------------------------- #
 # Config.                                                                      #
 # --------------------------------------------------------------------------- #
