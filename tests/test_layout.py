@@ -16,10 +16,18 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("cutbce", "trainer")
 # The training path: what `python -m trainer.main` runs. It never needs a command.
-TRAINING_PATH = ("trainer.checkpoint", "trainer.evaluate", "trainer.logs", "trainer.loop",
-                 "trainer.model", "trainer.paths", "trainer.train")
+TRAINING_PATH = ("trainer.evaluate", "trainer.loop", "trainer.model", "trainer.sampled",
+                 "trainer.train", "trainer.workdir.checkpoint", "trainer.workdir.fingerprint",
+                 "trainer.workdir.lock", "trainer.workdir.logs", "trainer.workdir.paths")
 # The command lines under their old names: only these and trainer.main import the commands.
 OLD_NAMES = ("trainer.compile", "trainer.export", "trainer.recommend")
+# Old import paths of modules that moved into trainer/workdir/ (scripts still use them).
+OLD_MODULE_NAMES = ("trainer.checkpoint", "trainer.logs")
+# trainer's top level: what a step computes and the loop, main, the old names; nothing else.
+# A guard of the workdir goes to trainer/workdir/, a setting to trainer/config/.
+TOP_LEVEL = ("trainer", "trainer.evaluate", "trainer.libtpu_env", "trainer.loop",
+             "trainer.main", "trainer.model", "trainer.sampled", "trainer.train",
+             *OLD_NAMES, *OLD_MODULE_NAMES)
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -112,9 +120,11 @@ def test_no_module_imports_in_a_circle():
     ("cutbce", ()),
     ("cutbce.kernels", ("cutbce.variants",)),
     # data: only paths and the generic description of settings (its command's flags)
-    ("trainer.data", ("trainer.paths", "trainer.config.schema")),
+    ("trainer.data", ("trainer.workdir.paths", "trainer.config.schema")),
     # settings: backend names, paths and the data sources' options
-    ("trainer.config", ("cutbce", "trainer.paths", "trainer.data")),
+    ("trainer.config", ("cutbce", "trainer.workdir.paths", "trainer.data")),
+    # the workdir's guards: only the settings' one-line error
+    ("trainer.workdir", ("trainer.config.schema",)),
 ])
 def test_each_folder_imports_only_what_it_may(folder, allowed):
   wrong = sorted(
@@ -131,6 +141,21 @@ def test_only_main_and_the_old_names_import_the_commands():
                      and any(_inside(other, "trainer.commands") for other in others))
   assert importers == sorted(("trainer.main", *OLD_NAMES))
   assert not set(importers) & set(TRAINING_PATH)
+
+
+def test_the_top_level_holds_only_the_step_the_loop_and_the_old_names():
+  top = sorted(name for name, file in MODULES.items()
+               if name.startswith("trainer") and name.count(".") <= 1
+               and file.parent == ROOT / "trainer")
+  assert top == sorted(TOP_LEVEL), "a workdir guard goes to trainer/workdir/"
+
+
+@pytest.mark.parametrize("old", OLD_MODULE_NAMES)
+def test_an_old_module_name_is_the_moved_module(old):
+  import importlib  # pylint: disable=import-outside-toplevel
+  new = old.replace("trainer.", "trainer.workdir.", 1)
+  assert importlib.import_module(old) is importlib.import_module(new)
+  assert GRAPH[old] == {new}
 
 
 def test_every_folder_says_what_lives_there():

@@ -12,7 +12,7 @@ before the save at its step and its metrics go with that checkpoint; at the
 last step one such evaluation runs too (or the full one is reused when
 `eval.max_batches` is None), so every ranked checkpoint was measured the same
 way. The checkpoint manager keeps the latest `max_checkpoints` and the best
-by `checkpoint.best_metric` (`trainer/checkpoint.py`). Saving is
+by `checkpoint.best_metric` (`trainer/workdir/checkpoint.py`). Saving is
 asynchronous; a resume restores straight into the abstract state (shapes and
 shardings, `train.plan_sharded_state`), and only a run without a checkpoint
 initialises one. How the step loop avoids host syncs yet never saves the
@@ -33,8 +33,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from trainer import checkpoint, data as data_lib, evaluate, fingerprint, logs, paths
-from trainer import model as model_lib, sampled, train as train_lib, workdir_lock
+from trainer import data as data_lib, evaluate, model as model_lib, sampled, train as train_lib
+from trainer.workdir import checkpoint, fingerprint, lock as workdir_lock, logs, paths
 from trainer.config import keys as config_keys, mesh as config_mesh, saved as saved_config, schema
 from trainer.data import ids as data_ids, prepare as prepare_lib
 

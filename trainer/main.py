@@ -72,7 +72,8 @@ def main(argv):
                                process_id=_PROCESS_ID.value)
   elif _DISTRIBUTED.value:
     jax.distributed.initialize()
-  from trainer import checkpoint, loop, workdir_lock  # pylint: disable=import-outside-toplevel
+  from trainer import loop  # pylint: disable=import-outside-toplevel
+  from trainer.workdir import checkpoint, lock as workdir_lock  # pylint: disable=import-outside-toplevel
   from trainer.config import mesh as config_mesh, schema  # pylint: disable=import-outside-toplevel
   from trainer.data import movielens, sources  # pylint: disable=import-outside-toplevel
   # Every value, before data preparation and before any trace.

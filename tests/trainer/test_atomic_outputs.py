@@ -3,7 +3,7 @@
 Prepared data is computed in a staging folder beside `out` and moved in
 once complete (trainer/data/prepare.py, `staged`); metrics.jsonl records are
 appended whole, a torn last line is cut on restart and skipped by the
-reader (trainer/logs.py). The crash cases run in a subprocess killed with
+reader (trainer/workdir/logs.py). The crash cases run in a subprocess killed with
 SIGKILL at a chosen point.
 """
 
@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from trainer import logs
+from trainer.workdir import logs
 from trainer.data import prepare, storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from orbax.checkpoint._src.path import async_path, atomicity
 
-from trainer import checkpoint, data as data_lib
+from trainer import data as data_lib
+from trainer.workdir import checkpoint
 from trainer.config import mesh as config_mesh
 from trainer import train as train_lib
 
@@ -179,7 +180,7 @@ def test_preemption_notice_at_jax_sync_point():
       import jax
       jax.distributed.initialize(coordinator_address="localhost:{_free_port()}",
                                  num_processes=1, process_id=0)
-      from trainer import checkpoint
+      from trainer.workdir import checkpoint
       notice = checkpoint.PreemptionNotice()
       assert notice.mode == "sync_point", notice.mode
       assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # No Python handler.

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from trainer import paths
+from trainer.workdir import paths
 from trainer.commands import cli, export, recommend
 
 

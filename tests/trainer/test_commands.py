@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trainer import checkpoint, evaluate, fingerprint, loop
+from trainer import evaluate, loop
+from trainer.workdir import checkpoint, fingerprint
 from trainer.config import keys as config_keys, mesh as config_mesh, saved as saved_config, schema
 from trainer.commands import evaluate as evaluate_command, export, recommend, workdir as workdir_lib
 

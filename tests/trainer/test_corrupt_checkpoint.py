@@ -11,7 +11,8 @@ import shutil
 
 import pytest
 
-from trainer import checkpoint, loop
+from trainer import loop
+from trainer.workdir import checkpoint
 from trainer.commands import evaluate as evaluate_command
 
 

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from trainer import fingerprint
+from trainer.workdir import fingerprint
 from trainer.data import __main__ as cli
 from trainer.data import prepare, preprocess, storage, windows
 

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from trainer import checkpoint
+from trainer.workdir import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 Usage = collections.namedtuple("Usage", "total used free")

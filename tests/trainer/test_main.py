@@ -87,7 +87,8 @@ def test_main_explains_missing_data_in_one_line(tmp_path):
 def test_a_failed_start_closes_the_checkpoint_manager(tmp_path, monkeypatch):
   """Missing data after the manager exists: it is closed before the error leaves (an open
   one's threads log a traceback from orbax when the process ends)."""
-  from trainer import checkpoint, loop  # pylint: disable=import-outside-toplevel
+  from trainer import loop  # pylint: disable=import-outside-toplevel
+  from trainer.workdir import checkpoint  # pylint: disable=import-outside-toplevel
   from trainer.data import sources  # pylint: disable=import-outside-toplevel
   real_make_manager, closed = checkpoint.make_manager, []
 

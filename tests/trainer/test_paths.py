@@ -31,7 +31,8 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from orbax.checkpoint._src.path import gcs_utils
 
-from trainer import logs, loop, paths
+from trainer import loop
+from trainer.workdir import logs, paths
 from trainer.config import keys as config_keys, saved as saved_config
 from trainer.commands import workdir as workdir_lib
 from trainer.data import prepare, storage

@@ -33,7 +33,8 @@ import jax
 import numpy as np
 import pytest
 
-from trainer import checkpoint, loop
+from trainer import loop
+from trainer.workdir import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_STEPS, CHECKPOINT_EVERY = 200, 20

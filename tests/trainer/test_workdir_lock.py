@@ -1,6 +1,6 @@
 """A workdir that cannot be used, or that another trainer holds, is one line (issue 32).
 
-`trainer/workdir_lock.py`: a path that is a file, a directory that cannot be
+`trainer/workdir/lock.py`: a path that is a file, a directory that cannot be
 written, and a second trainer on a live workdir stop `trainer.main` with exit
 status 2 and one line before anything is written; a trainer killed with
 SIGKILL leaves no stuck lock.
@@ -14,12 +14,12 @@ import sys
 
 import pytest
 
-from trainer import paths, workdir_lock
+from trainer.workdir import paths, lock as workdir_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
            JAX_PLATFORMS="cpu")
-HOLD = ("import sys, time; from trainer import workdir_lock; "
+HOLD = ("import sys, time; from trainer.workdir import lock as workdir_lock; "
         "workdir_lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)")
 
 

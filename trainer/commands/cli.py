@@ -26,7 +26,8 @@ from typing import Any, NoReturn
 
 from absl import app, flags, logging
 
-from trainer import libtpu_env, logs, paths
+from trainer import libtpu_env
+from trainer.workdir import logs, paths
 from trainer.config import keys as config_keys, schema
 from trainer.config.keys import flag_name
 

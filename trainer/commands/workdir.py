@@ -31,7 +31,8 @@ from etils import epath
 from flax import nnx
 from jax.sharding import AxisType, Mesh
 
-from trainer import checkpoint, data as data_lib, fingerprint, paths
+from trainer import data as data_lib
+from trainer.workdir import checkpoint, fingerprint, paths
 from trainer.config import keys as config_keys, mesh as config_mesh, saved as saved_config
 from trainer import train as train_lib
 from trainer.config.schema import ConfigError

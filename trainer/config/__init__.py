@@ -11,7 +11,7 @@
 - `saved`: the run's config in its workdir (`WORKDIR/config.json`) and what
   a resume may change.
 
-Imports: `cutbce` (backend names), `trainer.paths` and `trainer.data` (the
+Imports: `cutbce` (backend names), `trainer.workdir.paths` and `trainer.data` (the
 sources' options and choices); never the training path (model, train, loop)
 or `trainer.commands`.
 """

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from etils import epath
 
 from cutbce.backends import BACKEND_CHOICES
-from trainer import paths
+from trainer.workdir import paths
 from trainer.data import engine, files, prepare, sources, splits, windows, yambda
 from trainer.config.schema import (BOOL, FLOAT, INT, INTS, STR, STRS, ConfigError, Rule, above,
                             at_least, flatten, fraction, key, one_of, sections_of, unit)

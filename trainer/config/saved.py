@@ -30,7 +30,7 @@ from typing import Any
 import ml_collections
 from etils import epath
 
-from trainer import paths
+from trainer.workdir import paths
 from trainer.config import keys as config_keys, schema
 
 CONFIG_FILE = "config.json"

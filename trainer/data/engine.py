@@ -64,7 +64,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from trainer import paths
+from trainer.workdir import paths
 from trainer.data import files as files_lib
 from trainer.data import splits, storage
 from trainer.data.sources import DataError

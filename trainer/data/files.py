@@ -65,7 +65,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from trainer import paths
+from trainer.workdir import paths
 from trainer.data import sources
 from trainer.data.sources import DataError, DataTypeError
 

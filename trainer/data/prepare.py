@@ -19,7 +19,7 @@ import pathlib
 import shutil
 from collections.abc import Mapping
 
-from trainer import paths
+from trainer.workdir import paths
 from trainer.data import preprocess, sources, splits, storage
 
 # Minimum interactions per item when the caller does not say: the SASRec

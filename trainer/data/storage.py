@@ -66,7 +66,7 @@ from collections.abc import Mapping
 import numpy as np
 from etils import epath
 
-from trainer import paths
+from trainer.workdir import paths
 from trainer.data import splits, windows
 
 MANIFEST = "manifest.json"

@@ -24,7 +24,7 @@ import os
 import socket
 import time
 
-from trainer import paths
+from trainer.workdir import paths
 
 FILE = "trainer.lock"
 

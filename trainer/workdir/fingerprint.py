@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from trainer import paths
+from trainer.workdir import paths
 from trainer.config.schema import ConfigError
 
 FILE = "data_fingerprint.json"

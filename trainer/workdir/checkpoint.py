@@ -1,0 +1,431 @@
+"""Checkpoints: train state and grain iterator state saved together with orbax.
+
+Each checkpoint `WORKDIR/checkpoints/<step>/` holds two items:
+
+  state: the train state (`trainer.train.TrainState`), restored onto the
+         current mesh from abstract arrays carrying the target shardings;
+  data:  the grain training iterator's position (one file per process), so a
+         resumed run reads exactly the batches an uninterrupted one would.
+
+`latest_step` + `restore` give auto-resume; `restore` reads each array
+straight onto its target sharding, so a resumed run never holds a fresh
+state beside the restored one.
+
+Asynchronous saving (orbax's default, as its authors intend): `save` returns
+once the arrays are copied to host memory (orbax copies device arrays to the
+host before it returns, so the next step may donate the state), and a
+background thread writes them. Orbax writes a step into
+`<step>.orbax-checkpoint-tmp/` and renames it to `<step>/` only once
+every item is written (the commit; orbax's `atomicity` module has the
+variants for other file systems), so a process killed mid-write leaves a
+temporary folder that `latest_step` never lists and the previous checkpoint
+stays the latest; the trainer's manager deletes such leftovers when it
+starts (`cleanup_tmp=True`). Old checkpoints are deleted only after the new
+one is committed. `save(..., wait=True)` (or `manager.wait_until_finished()`)
+returns once the checkpoint is committed: the trainer waits on preemption,
+before restoring the best checkpoint, and before it exits (`manager.close()`).
+
+When to save: `make_manager(..., save_interval_steps=n)` gives orbax the
+decision policy `AnySavePolicy([FixedIntervalPolicy(n),
+PreemptionCheckpointingPolicy()])`, so `manager.should_save(step)` is true
+every n steps and at JAX's preemption sync point (see `PreemptionNotice`);
+orbax's `InitialSavePolicy` (a save at the first step) is left out.
+
+Best checkpoint. A checkpoint saved with `metrics` (the rank metrics of the
+periodic evaluation at its step) stores them beside its items (orbax's
+`metrics` item). One manager keeps both the latest `max_to_keep` checkpoints
+and the best one by `best_metric` (every rank metric is higher-better), with
+orbax's own preservation policies,
+
+    AnyPreservationPolicy([LatestN(max_to_keep),
+                           BestN(n=1, keep_checkpoints_without_metrics=False)])
+
+and `best_fn` set on the options so that orbax writes the metrics and
+`best_step` ranks them. No second manager (`WORKDIR/best`) is needed: one
+directory, one step numbering, and the best checkpoint is a full one (state
+and data iterator) that can be resumed from like any other.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from trainer.workdir import paths
+from trainer.config.schema import ConfigError
+
+
+def metric_fn(best_metric: str):
+  """`metrics -> float`: the value of `best_metric` (-inf when a checkpoint lacks it)."""
+
+  def value(metrics) -> float:
+    return float(metrics.get(best_metric, -math.inf))
+
+  return value
+
+
+def make_manager(directory: str | os.PathLike, max_to_keep: int | None,
+                 best_metric: str | None = None, *, save_interval_steps: int | None = None,
+                 cleanup_tmp: bool = False) -> ocp.CheckpointManager:
+  """An asynchronous CheckpointManager over `directory` with items "state" and "data".
+
+  Args:
+    directory: the checkpoints folder (`WORKDIR/checkpoints`).
+    max_to_keep: the latest checkpoints kept (None: all).
+    best_metric: also keep the checkpoint with the highest value of this
+      rank metric among those saved with metrics (None: latest ones only).
+    save_interval_steps: `manager.should_save(step)` is true every this many
+      steps and at the preemption sync point (None: only at the latter;
+      `save` always saves).
+    cleanup_tmp: delete the temporary folders of saves that never committed
+      (a killed process) when the manager starts. Only the training run's
+      manager does; a reader (evaluate, export) must not, as a run may be
+      writing into one.
+  """
+  policies = ocp.checkpoint_managers
+  save_policies = [policies.PreemptionCheckpointingPolicy()]
+  if save_interval_steps is not None:
+    save_policies.insert(0, policies.FixedIntervalPolicy(save_interval_steps))
+  common = dict(create=True, enable_async_checkpointing=True, cleanup_tmp_directories=cleanup_tmp,
+                save_decision_policy=policies.AnySavePolicy(save_policies))
+  if best_metric is None:
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, **common)
+  else:
+    best = metric_fn(best_metric)
+    options = ocp.CheckpointManagerOptions(
+        best_fn=best, best_mode="max", keep_checkpoints_without_metrics=False,
+        preservation_policy=policies.AnyPreservationPolicy([
+            policies.LatestN(n=max_to_keep),
+            policies.BestN(get_metric_fn=best, reverse=False, n=1,
+                           keep_checkpoints_without_metrics=False)]), **common)
+  manager = ocp.CheckpointManager(paths.as_path(directory), options=options,
+                                  item_names=("state", "data"))
+  if cleanup_tmp:
+    _await_tmp_cleanup(manager)
+  return manager
+
+
+def _await_tmp_cleanup(manager: ocp.CheckpointManager) -> None:
+  """Returns once the manager's start-up deletion of temporary folders is done.
+
+  Orbax runs that deletion in a background thread and waits for it only in
+  `save`; `close()` does not. A run that stops before its first save (bad
+  data, a config error) would exit with the thread still running, and orbax
+  logs a traceback ("cannot schedule new futures after interpreter shutdown")
+  at interpreter shutdown. Waiting here costs one listing of the folder. The
+  future is orbax's private attribute, read with a default so that a release
+  that renames it only loses the wait.
+  """
+  pending = getattr(manager, "_cleanup_tmp_directory_future", None)
+  if pending is not None:
+    pending.result()
+
+
+def save(manager: ocp.CheckpointManager, step: int, state, iterator,
+         metrics: dict[str, float] | None = None, *, wait: bool = True) -> None:
+  """Saves state and iterator position at `step` (no save if `step` exists).
+
+  Args:
+    manager: from `make_manager`.
+    step: the step number.
+    state: the train state.
+    iterator: the grain training iterator.
+    metrics: the periodic evaluation's metrics at `step`, ranked for the best
+      checkpoint (None: a checkpoint that is never "best").
+    wait: return once the checkpoint is committed on disk (also when `step`
+      was saved before and is still being written). False: return once the
+      state is copied to host memory and the iterator position taken; the
+      write goes on in the background (a previous one still running is
+      waited for first, by orbax).
+  """
+  if step not in manager.all_steps():
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=grain.checkpoint.CheckpointSave(iterator)), force=True,
+        metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()})
+  if wait:
+    manager.wait_until_finished()
+
+
+def latest_step(manager: ocp.CheckpointManager) -> int | None:
+  return manager.latest_step()
+
+
+def best_step(manager: ocp.CheckpointManager) -> int | None:
+  """The kept checkpoint with the best metric; None when none was saved with metrics
+  (or the manager keeps no best one)."""
+  # Without a best_fn orbax answers the latest step, which then has no metrics.
+  best = manager.best_step()
+  return best if best is not None and manager.metrics(best) is not None else None
+
+
+def restore_params(directory: str | os.PathLike, step: int, abstract_params):
+  """Only the params of the checkpoint `step` (no optimizer state, no iterator).
+
+  Args:
+    directory: the checkpoints folder.
+    step: a step saved there.
+    abstract_params: ShapeDtypeStructs with the target shardings (any mesh).
+
+  Returns:
+    The params, placed as `abstract_params` says.
+  """
+  item = {"params": abstract_params}
+  path = paths.as_path(directory) / str(step) / "state"
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+        partial_restore=True))
+  return restored["params"]
+
+
+def restore(manager: ocp.CheckpointManager, step: int, abstract_state, iterator):
+  """Restores the state onto the shardings of `abstract_state`; `iterator` in place.
+
+  Returns:
+    The restored train state.
+  """
+  restored = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state),
+      data=grain.checkpoint.CheckpointRestore(iterator)))
+  return restored.state
+
+
+class DiskFullError(Exception):
+  """Too little free space for the next checkpoint: one line, checked before writing."""
+
+
+def check_free_space(directory, step: int, state, *, latest: int | None) -> None:
+  """Raises `DiskFullError` when the file system of `directory` cannot hold a checkpoint.
+
+  A checkpoint holds every array of the state once (orbax writes them
+  uncompressed), so it needs up to the state's bytes, plus 1 MiB of metadata
+  and the iterator's position. Checked by a single process on a local
+  folder only (processes of a multi-host run would have to agree to skip a
+  save; object storage has no free-space figure). Without this check a full
+  disk shows as hundreds of lines of orbax and tensorstore errors from its
+  writer threads, the cause somewhere among them.
+  """
+  if paths.is_remote(directory) or jax.process_count() > 1:
+    return
+  import shutil  # pylint: disable=import-outside-toplevel
+  folder = os.fspath(directory)
+  while not os.path.isdir(folder):
+    folder = os.path.dirname(folder) or "."
+  free = shutil.disk_usage(folder).free
+  need = sum(int(leaf.nbytes) for leaf in jax.tree.leaves(state)) + 2**20
+  if free < need:
+    kept = (f"the checkpoint of step {latest} is whole" if latest is not None
+            else "no checkpoint was saved yet")
+    raise DiskFullError(
+        f"no space for the checkpoint of step {step}: {free / 2**20:,.1f} MiB free on the "
+        f"file system of {directory}, a checkpoint needs up to {need / 2**20:,.1f} MiB; "
+        f"{kept}: free space (or lower max_checkpoints) and resume")
+
+
+class CheckpointError(Exception):
+  """No checkpoint of the run can be restored: one line naming each step tried."""
+
+
+CORRUPTED_DIR = "corrupted_checkpoints"  # beside checkpoints/: what a fallback set aside
+
+
+def cause(error: BaseException) -> str:
+  """The first line of an orbax / tensorstore error, short enough for one line."""
+  text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+  text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+  return text if len(text) <= 200 else text[:197] + "..."
+
+
+def stored_param_shapes(directory: str | os.PathLike, step: int) -> dict[str, tuple] | None:
+  """`{key path: shape}` of the params saved in the checkpoint of `step`, from its metadata.
+
+  None when the metadata cannot be read (a damaged checkpoint: the restore
+  that follows names it).
+  """
+  path = paths.as_path(directory) / str(step) / "state"
+  handler = ocp.StandardCheckpointHandler()  # the checkpointer warns on a step's item folder
+  try:
+    params = handler.metadata(path)["params"]
+  except Exception:  # pylint: disable=broad-except  (orbax raises many kinds)
+    return None
+  finally:
+    handler.close()
+  return _shapes(params)
+
+
+def _shapes(tree) -> dict[str, tuple]:
+  def name(part):
+    return str(getattr(part, "key", getattr(part, "idx", getattr(part, "name", part))))
+
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {"/".join(name(part) for part in path): tuple(leaf.shape) for path, leaf in leaves
+          if hasattr(leaf, "shape")}
+
+
+ITEM_TABLE = "item_embedding/embedding"  # the `[V_padded, D]` table (trainer/model.py)
+
+
+def check_param_shapes(directory: str | os.PathLike, step: int, abstract_params) -> None:
+  """Refuses, in one line, a checkpoint whose params have other shapes than this run's.
+
+  Run before a restore, so that changed data or a changed model is named for
+  what it is, not reported as an orbax shape error or taken for a corrupted
+  checkpoint. An item table with another row count means the prepared data
+  holds another number of items than the run was trained on (raw data
+  changed, then prepared again).
+
+  Raises:
+    ConfigError: the item table's rows, or another param's shape, differ.
+  """
+  stored = stored_param_shapes(directory, step)
+  if stored is None:
+    return
+  wanted = _shapes(abstract_params)
+  table = (stored.get(ITEM_TABLE), wanted.get(ITEM_TABLE))
+  if None not in table and table[0][0] != table[1][0]:
+    raise ConfigError(
+        f"the checkpoint of step {step} holds an item table of {table[0][0]:,} rows and this "
+        f"run's prepared data has {table[1][0]:,} (item count changed from {table[0][0]:,} to "
+        f"{table[1][0]:,}, rows rounded up to the vocab shards): the raw data changed since "
+        "the run was prepared. Restore the raw data the run was prepared from, or start a new "
+        "workdir")
+  for key in sorted(set(stored) | set(wanted)):
+    if stored.get(key) != wanted.get(key):
+      raise ConfigError(
+          f"the checkpoint of step {step} holds params/{key} of shape {stored.get(key)} and "
+          f"this run's config builds {wanted.get(key)}: the model's shape changed since the "
+          "checkpoint; resume with the run's config (WORKDIR/config.json) or start a new "
+          "workdir")
+
+
+def restore_newest(manager: ocp.CheckpointManager, abstract_state, iterator, *,
+                   say=print) -> tuple[object, int]:
+  """Restores the newest checkpoint that reads; returns `(state, step)`.
+
+  A checkpoint whose files are truncated or corrupted (orbax commits a step
+  only once it is written, so this is damage after the fact: a disk error, a
+  copy cut short) is named with its step, and the previous one is tried. When
+  an older one restores, the unreadable newer ones are moved to
+  WORKDIR/corrupted_checkpoints/<step> (kept for inspection, out of the
+  manager's way, so training can save those steps again) and a warning says
+  so. With several processes nothing is moved (they would race): the error
+  names the step to set aside by hand.
+
+  Raises:
+    ConfigError: a checkpoint's params have other shapes than `abstract_state`'s
+      (`check_param_shapes`: the item count or the model changed).
+    CheckpointError: no checkpoint restores (each step and its cause named;
+      a config whose shapes differ from the checkpoints' fails here too, and
+      then nothing is moved).
+  """
+  directory = paths.as_path(manager.directory)
+  failed = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    # Other shapes are another run's data or model, not damage: one line, nothing moved.
+    check_param_shapes(directory, step, abstract_state["params"])
+    try:
+      state = restore(manager, step, abstract_state, iterator)
+    except Exception as error:  # pylint: disable=broad-except  (orbax raises many kinds)
+      failed.append((step, cause(error)))
+      if jax.process_count() > 1:
+        raise CheckpointError(
+            f"the checkpoint of step {step} in {directory} cannot be restored "
+            f"({failed[-1][1]}); move {directory / str(step)} aside to resume from the "
+            "previous one") from None
+      say(f"warning: the checkpoint of step {step} cannot be restored ({failed[-1][1]}); "
+          "trying the previous one")
+      continue
+    if failed:
+      aside = directory.parent / CORRUPTED_DIR
+      aside.mkdir(parents=True, exist_ok=True)
+      for bad, _ in failed:
+        (directory / str(bad)).rename(aside / str(bad))
+      manager.reload()
+      say(f"warning: resumed from the checkpoint of step {step}, the newest that restores; "
+          f"unreadable step(s) {', '.join(str(bad) for bad, _ in failed)} moved to {aside}")
+    return state, step
+  tried = "; ".join(f"step {bad}: {why}" for bad, why in failed)
+  raise CheckpointError(f"no checkpoint in {directory} restores into this run's state "
+                        f"({tried}): corrupted files, or a config whose shapes differ "
+                        "from the checkpoints'")
+
+
+def _preemption_sync_manager_running() -> bool:
+  """Whether JAX's preemption sync manager runs in this process.
+
+  It starts with `jax.distributed.initialize()` unless the config
+  `jax_enable_preemption_service` is off. `jax._src.distributed` is private;
+  the public `reached_preemption_sync_point` answers False both without a
+  distributed client and before any notice, so it cannot tell.
+  """
+  try:
+    from jax._src import distributed  # pylint: disable=import-outside-toplevel
+  except ImportError:  # pragma: no cover
+    return False
+  state = distributed.global_state
+  return state.client is not None and getattr(state, "preemption_sync_manager", None) is not None
+
+
+class PreemptionNotice:
+  """Whether to save and stop before the step `step`: the same answer on every process.
+
+  Every process must take part in a checkpoint, so all of them stop at the
+  same step. Three ways, chosen when it is made (`mode`):
+
+  "sync_point": `jax.distributed` is initialised and its preemption sync
+    manager runs (the default). The coordination service's notifier catches
+    SIGTERM in C++ (on Cloud TPU this is how a preemption or, with
+    Autocheckpoint enabled, a maintenance event is announced), tells every
+    process, and agrees on the step after the largest one any process has
+    reached. `reached(step)` is orbax's `CheckpointManager.reached_preemption`
+    (`multihost_utils.reached_preemption_sync_point`): a local lookup, no
+    collective; it must be called at every step, with the same step numbers
+    on every process. No Python handler is installed (it would replace the
+    notifier's).
+  "local": one process and no sync manager (`python -m trainer.main` without
+    coordinator flags, the tests). A Python SIGTERM handler sets a flag that
+    `reached` reads: nothing to agree on, no collective.
+  "combined": several processes but the preemption service is off
+    (`jax_enable_preemption_service=False`). The Python handler's flags are
+    combined (logical or, one `process_allgather`) only at steps that are
+    multiples of `combine_every`, where the loop reads metrics anyway; the
+    stop comes up to `combine_every - 1` steps after the signal.
+  """
+
+  def __init__(self, *, combine_every: int = 1):
+    self._combine_every = max(int(combine_every), 1)
+    self._set = False
+    self._previous = None
+    if _preemption_sync_manager_running():
+      self.mode = "sync_point"
+    else:
+      self.mode = "local" if jax.process_count() == 1 else "combined"
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self._set = True
+
+  def reached(self, step: int) -> bool:
+    """True when the loop must save the state of `step` and stop (call at every step)."""
+    if self.mode == "sync_point":
+      return ocp.multihost.reached_preemption(step)
+    if self.mode == "local":
+      return self._set
+    if step % self._combine_every:
+      return False
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    return bool(np.any(multihost_utils.process_allgather(np.array(self._set))))
+
+  def close(self) -> None:
+    """Puts back the SIGTERM handler found at start (if one was replaced)."""
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None
