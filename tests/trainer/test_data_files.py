@@ -235,12 +235,12 @@ def test_typed_date_times_convert_to_the_unit(tmp_path):
 
 def test_parse_filter():
   assert files.parse_filter("played_ratio_pct>=50") == ("played_ratio_pct", ">=", 50,
-                                                        "played_ratio_pct>=50")
+                                                        "played_ratio_pct>=50", False)
   assert files.parse_filter(" x != 2.5 ")[1:3] == ("!=", 2.5)
   assert files.parse_filter("event==listen").value == "listen"
   assert files.parse_filter('event == "50"').value == "50"  # quoted: text
   for bad in ("x=5", "x>=", ">=5", "x >> 5", "x => 5", ""):
-    with pytest.raises(ValueError, match="is not '<column> <op> <value>'"):
+    with pytest.raises(ValueError, match="expected '<column> <op> <value>'"):
       files.parse_filter(bad)
 
 
@@ -402,7 +402,8 @@ def test_cli_prepares_files(tmp_path, capsys):
      "(both name 'uid'): users, items and times are three columns"),
     ({"--time-col": "time", "--path": "DUP"}, "error: "),
     ({"--path": "NOWHERE/*.csv"}, "bad config: --path="),
-    ({"--filter": "ratio=5"}, "bad config: --filter='ratio=5': expected e.g."),
+    ({"--filter": "ratio=5"}, "bad config: --filter='ratio=5': '=' is not part of a condition; "
+     "expected '<column> <op> <value>'"),
     ({"--time-unit": "days"}, "bad config: --time-unit='days': one of 's', 'ms', 'us', 'ns'"),
     ({"--item-col": None}, "bad config: --item-col=None: a column name (required with "
      "--dataset files)"),
@@ -447,7 +448,7 @@ def test_config_accepts_files_and_names_the_source_keys(tmp_path):
       r"config\.data\.dataset='files'$")):
     config_keys.check(config, EIGHT)
   with pytest.raises(schema.ConfigError, match=r"^config\.data\.source_options\.filter='r=5': "
-                     "None or expected e.g."):
+                     "None or a filter: '=' is not part of a condition"):
     config_keys.check(_files_config(tmp_path, filter="r=5"), EIGHT)
   with pytest.raises(schema.ConfigError, match=r"^config\.data\.source_options\.path=.*: a file, "
                      r"folder or glob of data files \(nothing is prepared in .* yet"):

@@ -488,7 +488,7 @@ def _files_filter_parses(values, context):
   try:
     files.parse_filter(text)
   except ValueError as error:
-    return "None or " + str(error).split("; ", 1)[-1]
+    return "None or a filter: " + str(error).removeprefix(f"filter {text!r}: ")
   return None
 
 

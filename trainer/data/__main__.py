@@ -137,7 +137,7 @@ def _files_filter_parses(values, context):
   try:
     files.parse_filter(values["filter"])
   except ValueError as error:
-    return str(error).split("; ", 1)[-1]
+    return str(error).removeprefix(f"filter {values['filter']!r}: ")
   return None
 
 

@@ -35,7 +35,9 @@ What is read:
 * ``filter``: one condition ``<column> <op> <literal>`` with ``op`` one of
   ``>= <= > < == !=`` and a number, a quoted string (``'listen'``), a bare
   word, or ``true`` / ``false`` for a boolean column
-  (``played_ratio_pct>=50``, ``event_type==listen``). Rows where the column
+  (``played_ratio_pct>=50``, ``event_type==listen``), or such conditions
+  joined by ``AND`` / ``OR`` with parentheses (:mod:`trainer.data.filters`:
+  the whole text is parsed, or refused in one line). Rows where the column
   is null are dropped. A numeric literal compares numerically (text columns
   are read as numbers); a string literal compares text.
 
@@ -50,10 +52,8 @@ that matches nothing raises ``FileNotFoundError``; a malformed ``filter`` or
 from __future__ import annotations
 
 import glob
-import math
 import os
 import pathlib
-import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -66,7 +66,9 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from trainer.workdir import paths
-from trainer.data import sources
+from trainer.data import filters, sources
+from trainer.data.filters import (  # noqa: F401  (the filter, re-exported)
+    OPERATORS, Filter, apply_filter, parse_filter)
 from trainer.data.sources import DataError, DataTypeError
 
 # File name suffix -> format.
@@ -75,72 +77,13 @@ FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv"
 # Compression suffixes of text formats (pyarrow decompresses by file name).
 COMPRESSIONS = (".gz", ".bz2", ".zst")
 TIME_UNITS = ("s", "ms", "us", "ns")
-OPERATORS = {">=": "greater_equal", "<=": "less_equal", ">": "greater",
-             "<": "less", "==": "equal", "!=": "not_equal"}
 # Nanoseconds per unit ("D": days, for date columns).
 _NS = {"D": 86_400 * 10**9, "s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}
 # Plain decimal integers that fit int64: text ids read as integers.
 _DECIMAL_ID = r"^(0|[1-9][0-9]{0,17})$"
 # An ISO-8601 time of day followed by a zone (Z, +01:00, -0500).
 _ZONED = r"\d\d:\d\d(:\d\d(\.\d*)?)?([Zz]|[+-]\d\d(:?\d\d)?)$"
-_FILTER = re.compile(r"^\s*([^\s<>=!]+)\s*(>=|<=|==|!=|>|<)\s*(.*?)\s*$")
 _KINDS = "parquet, CSV, TSV or JSON lines"
-
-
-class Filter(NamedTuple):
-  """A parsed ``filter``: ``column op value``.
-
-  Attributes:
-    column: the column compared.
-    op: one of :data:`OPERATORS`.
-    value: the literal: an int or float (numeric comparison) or a str.
-    text: the filter as written, for messages.
-  """
-
-  column: str
-  op: str
-  value: int | float | str
-  text: str
-
-
-def parse_filter(text: str) -> Filter:
-  """Parses ``"<column> <op> <literal>"``.
-
-  Args:
-    text: e.g. ``"played_ratio_pct>=50"`` or ``"event == 'listen'"``.
-
-  Returns:
-    :class:`Filter`; the literal is an int or float when it reads as a finite
-    number (unquoted), else the text (quotes removed).
-
-  Raises:
-    ValueError: not of that form; the message shows the expected form.
-
-  Example:
-    >>> parse_filter("played_ratio_pct >= 50")[:3]
-    ('played_ratio_pct', '>=', 50)
-    >>> parse_filter("event=='listen'").value
-    'listen'
-  """
-  match = _FILTER.match(text) if isinstance(text, str) else None
-  literal = match.group(3) if match else ""
-  quoted = len(literal) >= 2 and literal[0] == literal[-1] and literal[0] in "'\""
-  if not match or not literal or (not quoted and literal[0] in "<>=!"):
-    raise ValueError(
-        f"filter {text!r} is not '<column> <op> <value>'; expected e.g. "
-        f"'played_ratio_pct>=50' or \"event=='listen'\" with op one of "
-        f"{', '.join(OPERATORS)}")
-  column, op = match.group(1), match.group(2)
-  if quoted:
-    return Filter(column, op, literal[1:-1], text)
-  for kind in (int, float):
-    try:
-      number = kind(literal)
-    except ValueError:
-      continue
-    if math.isfinite(number):
-      return Filter(column, op, number, text)
-  return Filter(column, op, literal, text)
 
 
 def file_format(path: str | os.PathLike) -> str | None:
@@ -338,39 +281,6 @@ def _is_text(kind: pa.DataType) -> bool:
   return pa.types.is_string(kind) or pa.types.is_large_string(kind)
 
 
-def apply_filter(table: pa.Table, condition: Filter, file, *,
-                 keep_null: bool = False) -> pa.Table:
-  """Rows of ``table`` where ``condition`` holds (null: dropped, or kept if ``keep_null``).
-
-  Raises:
-    DataError: a text column compared with a number holds a non-number.
-    DataTypeError: a column type the literal cannot be compared with.
-  """
-  column, value = table[condition.column], condition.value
-  kind = column.type
-  where = f"filter {condition.text!r}: column {condition.column!r} of {file}"
-  if pa.types.is_boolean(kind) and str(value).lower() in ("true", "false"):
-    value = str(value).lower() == "true"
-  elif isinstance(value, (int, float)):
-    if _is_text(kind):
-      try:
-        column = pc.cast(column, pa.float64())
-      except pa.ArrowInvalid as error:
-        raise DataError(f"{where} holds text that is not a number ({error}); "
-                        f"expected numbers to compare with {value}") from None
-    elif not (pa.types.is_integer(kind) or pa.types.is_floating(kind)
-              or pa.types.is_decimal(kind)):
-      raise DataTypeError(f"{where} has type {kind}; expected numbers to compare "
-                          f"with {value}")
-  elif not _is_text(kind):
-    raise DataTypeError(f"{where} has type {kind}; expected text to compare with "
-                        f"{value!r} (write a number unquoted to compare numbers)")
-  mask = getattr(pc, OPERATORS[condition.op])(column, value)
-  if keep_null:
-    mask = pc.or_kleene(mask, pc.is_null(column))
-  return table.filter(mask)
-
-
 def id_column(column: pa.ChunkedArray, file, name: str, what: str, *,
               from_text: bool = False) -> pa.ChunkedArray:
   """An id column as int64 (integer ids, >= 0) or large_string.
@@ -529,7 +439,7 @@ class FileScan(NamedTuple):
   name: str = ""
 
 
-def check_scan(scan: FileScan) -> Filter | None:
+def check_scan(scan: FileScan) -> filters.Node | None:
   """Checks the options of ``scan`` and returns its parsed filter (or None).
 
   Raises:
@@ -552,10 +462,10 @@ def check_scan(scan: FileScan) -> Filter | None:
   return parse_filter(scan.filter) if scan.filter is not None else None
 
 
-def scan_columns(scan: FileScan, condition: Filter | None) -> list[str]:
+def scan_columns(scan: FileScan, condition: filters.Node | None) -> list[str]:
   """The columns read: user, item, time and the filter's."""
   return list(dict.fromkeys([scan.user_col, scan.item_col, scan.time_col]
-                            + ([condition.column] if condition else [])))
+                            + filters.columns(condition)))
 
 
 def describe_files(files: Sequence) -> str:
