@@ -36,7 +36,8 @@ BACKENDS: types.MappingProxyType = types.MappingProxyType({
     "auto": "cutbce.kernels.auto",
     "xla": "cutbce.kernels.xla",
     "pallas_tpu": "cutbce.kernels.tpu",
-    "pallas_gpu": "cutbce.kernels.gpu",
+    "pallas_gpu": "cutbce.kernels.gpu.mosaic",
+    "pallas_triton": "cutbce.kernels.gpu.triton",
     "dense": None,
 })
 BACKEND_CHOICES = tuple(BACKENDS)

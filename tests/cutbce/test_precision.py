@@ -44,7 +44,7 @@ PLANS = {
     "xla": TilePlan(block_v=64),
     "pallas_tpu": TilePlan(block_v=128, block_t=16, token_chunk=16,
                            vmem_limit_bytes=64 * 1024 * 1024),
-    "pallas_gpu": TilePlan(block_v=64, block_t=16),
+    "pallas_triton": TilePlan(block_v=64, block_t=16),
 }
 # The cut ops round each logit-gradient tile to the input dtype for its two
 # GEMMs (as an MXU takes it), a rounding the dense reference (float32
@@ -177,7 +177,7 @@ DTYPE_IDS = ["f32", "bf16"]
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("route", ["xla", "xla-two-pass", "pallas_tpu",
-                                   "pallas_gpu", "sharded"])
+                                   "pallas_triton", "sharded"])
 def test_bce_confident_targets_as_accurate_as_dense(route, dtype):
   if route == "sharded":
     fn = functools.partial(sharded_cut_bce, mesh=_mesh(), token_axes=("data",),
@@ -193,7 +193,7 @@ def test_bce_confident_targets_as_accurate_as_dense(route, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("route", ["xla", "xla-none", "pallas_tpu",
-                                   "pallas_gpu", "sharded"])
+                                   "pallas_triton", "sharded"])
 def test_softmax_confident_targets_as_accurate_as_dense(route, dtype):
   reduction = "mean"
   if route == "sharded":

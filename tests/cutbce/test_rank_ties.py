@@ -23,7 +23,7 @@ BLOCK_V = 32  # 203 = 6 * 32 + 11: a ragged end
 PLANS = {
     "xla": cutbce.TilePlan(block_v=BLOCK_V),
     "pallas_tpu": cutbce.TilePlan(block_v=128, block_t=16, token_chunk=16),
-    "pallas_gpu": cutbce.TilePlan(block_v=64, block_t=16),
+    "pallas_triton": cutbce.TilePlan(block_v=64, block_t=16),
 }
 TILED = list(PLANS)
 

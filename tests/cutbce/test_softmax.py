@@ -88,8 +88,8 @@ OPTIONS = [
 
 CASES = ([("xla", o) for o in OPTIONS] + [("dense", OPTIONS[0]), ("dense", OPTIONS[4]),
                                           ("auto", OPTIONS[2]), ("pallas_tpu", OPTIONS[0]),
-                                          ("pallas_tpu", OPTIONS[4]), ("pallas_gpu", OPTIONS[0]),
-                                          ("pallas_gpu", OPTIONS[1]), ("pallas_gpu", OPTIONS[4])])
+                                          ("pallas_tpu", OPTIONS[4]), ("pallas_triton", OPTIONS[0]),
+                                          ("pallas_triton", OPTIONS[1]), ("pallas_triton", OPTIONS[4])])
 
 
 @pytest.mark.parametrize("backend,options", CASES,
@@ -99,7 +99,7 @@ def test_f32_matches_the_float64_oracle(backend, options):
   _check(_run(backend, args, **dict(options)), _oracle(args, **dict(options)), 2e-6, 2e-5)
 
 
-@pytest.mark.parametrize("backend", ["xla", "dense", "pallas_gpu"])
+@pytest.mark.parametrize("backend", ["xla", "dense", "pallas_triton"])
 def test_bf16_matches_the_oracle_on_the_bf16_values(backend):
   args = _inputs("bfloat16")
   got = _run(backend, args, label_smoothing=0.1)
@@ -136,23 +136,23 @@ def test_gpu_kernels_run_with_several_token_and_vocab_tiles():
   vocab splits; the kernels are the GPU ones, not a fallback."""
   args = _inputs()
   plan = cutbce.TilePlan(block_v=64, block_t=16)
-  got = _run("pallas_gpu", args, label_smoothing=0.1, num_items=1000, plan=plan)
+  got = _run("pallas_triton", args, label_smoothing=0.1, num_items=1000, plan=plan)
   _check(got, _oracle(args, label_smoothing=0.1, num_items=1000), 2e-6, 2e-5)
   hidden, table, bias, targets, exclude, weights = args
   jaxpr = str(jax.make_jaxpr(jax.grad(lambda h: cutbce.cut_softmax_ce(
-      h, table, targets, weights, bias=bias, exclude=exclude, backend="pallas_gpu",
+      h, table, targets, weights, bias=bias, exclude=exclude, backend="pallas_triton",
       plan=plan)))(hidden))
   for kernel in ("softmax_forward", "softmax_dh", "softmax_de"):
     assert f"cutbce_gpu_{kernel}_bt16_bv64" in jaxpr, kernel
 
 
-def test_pallas_gpu_refuses_more_excluded_ids_than_its_kernels_compare():
-  from cutbce.kernels import gpu  # pylint: disable=import-outside-toplevel
+def test_pallas_triton_refuses_more_excluded_ids_than_its_kernels_compare():
+  from cutbce.kernels.gpu import triton  # pylint: disable=import-outside-toplevel
   hidden, table = jnp.ones((2, 8)), jnp.ones((300, 8))
   targets = jnp.zeros((2, 1), jnp.int32)
-  exclude = jnp.zeros((2, gpu.MAX_SOFTMAX_EXCLUDE + 1), jnp.int32)
+  exclude = jnp.zeros((2, triton.MAX_SOFTMAX_EXCLUDE + 1), jnp.int32)
   with pytest.raises(NotImplementedError, match="excluded ids"):
-    cutbce.cut_softmax_ce(hidden, table, targets, exclude=exclude, backend="pallas_gpu")
+    cutbce.cut_softmax_ce(hidden, table, targets, exclude=exclude, backend="pallas_triton")
 
 
 def test_a_user_plan_is_honoured_and_changes_nothing():

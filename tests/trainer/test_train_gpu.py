@@ -1,4 +1,4 @@
-"""The trainer's jitted step with `loss.backend="pallas_gpu"` on 8 simulated devices.
+"""The trainer's jitted step with `loss.backend="pallas_triton"` on 8 simulated devices.
 
 Off a GPU the Triton kernels run in Pallas' generic interpreter; 3 steps of
 the smoke config on a data=2 x model=4 mesh (table rows split over "model"),
@@ -33,7 +33,7 @@ def _train(config, data, batches, backend):
   initial = jax.device_get(state["params"])
   sharding = train_lib.batch_sharding(mesh, config.mesh.token_axes)
   jaxpr = str(jax.make_jaxpr(step)(state, data_lib.to_global_arrays(batches[0], sharding)))
-  assert ("cutbce_gpu" in jaxpr) == (backend == "pallas_gpu"), backend
+  assert ("cutbce_gpu" in jaxpr) == (backend == "pallas_triton"), backend
   metrics = []
   for batch in batches:
     state, step_metrics = step(state, data_lib.to_global_arrays(batch, sharding))
@@ -42,7 +42,7 @@ def _train(config, data, batches, backend):
 
 
 @pytest.mark.parametrize("kind", ["bce", "softmax_ce"])
-def test_pallas_gpu_train_steps_match_xla(smoke_data_dir, tmp_path, kind):
+def test_pallas_triton_train_steps_match_xla(smoke_data_dir, tmp_path, kind):
   config = pallas_tests._config(smoke_data_dir, MESH)  # pylint: disable=protected-access
   config.loss.kind = kind
   data = loop.prepare_data(config, str(tmp_path))
@@ -53,7 +53,7 @@ def test_pallas_gpu_train_steps_match_xla(smoke_data_dir, tmp_path, kind):
   batches = [next(iterator) for _ in range(pallas_tests.STEPS)]
 
   xla_initial, xla_metrics, xla_params = _train(config, data, batches, "xla")
-  gpu_initial, gpu_metrics, gpu_params = _train(config, data, batches, "pallas_gpu")
+  gpu_initial, gpu_metrics, gpu_params = _train(config, data, batches, "pallas_triton")
 
   jax.tree.map(np.testing.assert_array_equal, gpu_initial, xla_initial)
   for number, (got, want) in enumerate(zip(gpu_metrics, xla_metrics), start=1):

@@ -1,29 +1,15 @@
-"""Kernel set of `backend="pallas_gpu"`: fused Pallas GPU (Triton) kernels.
+"""GPU kernel sets: Mosaic GPU (`backend="pallas_gpu"`) and Pallas Triton (`"pallas_triton"`).
 
-Honours the backend contract written in `cutbce/kernels/xla.py` (forward,
-backward, forward_backward, rank_logits, rank_counts, softmax_forward, softmax_backward,
-default_plan, unsupported_reason).
-`kernels` holds the Pallas kernels, `plan` the tile planner (from the
-device's description), `targets` the NVIDIA target configs they are compiled
-for without a GPU, `compiled` the loss compiled for a target. Imports:
-`targets` nothing of cutbce, `plan` targets and the tiling types, `kernels`
-the plan, `compiled` the ops (`cutbce`) and is imported by none of them.
-Design and compiled memory: docs/kernels.md.
+`mosaic` is the kernel set of "pallas_gpu" (TMA, wgmma, one warpgroup per
+CTA; `mosaic_ops` the primitives whose interpreted form differs,
+`mosaic_plan` its planner); `triton` the kernel set of "pallas_triton", the
+fused Pallas Triton kernels it replaces (Pallas Triton is deprecated
+upstream), kept until a GPU run shows the Mosaic ones faster, and the set
+the Mosaic one delegates to for what it does not take yet. Both honour the
+backend contract written in `cutbce/kernels/xla.py`. `plan` is the Triton
+planner and the device planned for, `targets` the NVIDIA target configs the
+kernels are compiled for without a GPU, `compiled` the loss compiled for a
+target. Design and compiled evidence: docs/kernels.md.
 """
 
-from cutbce.kernels.gpu.kernels import (  # noqa: F401
-    MAX_FIXED_COLUMNS,
-    MAX_SOFTMAX_EXCLUDE,
-    SUPPORTED_DTYPES,
-    backward,
-    default_plan,
-    forward,
-    forward_backward,
-    plan_problem,
-    rank_counts,
-    rank_logits,
-    softmax_backward,
-    softmax_forward,
-    unsupported_reason,
-)
 from cutbce.kernels.gpu.plan import target_gpu  # noqa: F401

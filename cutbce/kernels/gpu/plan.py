@@ -77,6 +77,11 @@ def target_gpu(name: str | None):
     _TARGET.name = previous
 
 
+def current_target_name() -> str | None:
+  """The target named by an enclosing `target_gpu`, or None."""
+  return getattr(_TARGET, "name", None)
+
+
 def current_spec() -> targets.GpuSpec:
   """The device planned for: the named target, else the attached GPU, else the default."""
   name = getattr(_TARGET, "name", None)

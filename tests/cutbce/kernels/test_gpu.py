@@ -1,4 +1,4 @@
-"""Pallas GPU (Triton) kernels: numerics in Pallas' interpreter on CPU, and the planner.
+"""Pallas Triton kernels (`backend="pallas_triton"`): numerics in Pallas' interpreter on CPU, the planner.
 
 Off a GPU the kernels run in Pallas' interpreter, whose out-of-bounds reads
 are NaN, so every shape here that does not divide the tiles (T, V and D all
@@ -18,8 +18,8 @@ import pytest
 
 import cutbce
 from cutbce import api
-from cutbce.kernels import gpu, xla
-from cutbce.kernels.gpu import kernels as gpu_kernels
+from cutbce.kernels import xla
+from cutbce.kernels.gpu import triton as gpu_kernels
 from cutbce.kernels.gpu import plan as gpu_plan
 from cutbce.kernels.gpu import targets
 from cutbce.kernels.tiling import TilePlan
@@ -60,7 +60,7 @@ def test_float32_loss_grads_stats_match_float64(one_pass):
   raw = cases.make_case(CASE, seed=0, logit_scale=2.0)
   args = _jnp(raw)
   kwargs = dict(num_items=NUM_ITEMS, vocab_reduction="sum")
-  value, stats, grads = _value_grads_stats(cutbce.cut_bce, args, backend="pallas_gpu", plan=PLAN,
+  value, stats, grads = _value_grads_stats(cutbce.cut_bce, args, backend="pallas_triton", plan=PLAN,
                                            one_pass=one_pass, **kwargs)
   want, want_grads, want_stats = np_reference.bce(
       raw["hidden"], raw["table"], raw["targets"], raw["weights"], bias=raw["bias"],
@@ -82,7 +82,7 @@ def test_bfloat16_matches_dense_and_float64_of_the_rounded_inputs():
   raw = cases.make_case(cases.Case((40,), 517, 64, 3, 2, 64), seed=1)
   args = _jnp(raw, jnp.bfloat16)
   args["weights"] = args["weights"].astype(jnp.float32)
-  value, stats, grads = _value_grads_stats(cutbce.cut_bce, args, backend="pallas_gpu",
+  value, stats, grads = _value_grads_stats(cutbce.cut_bce, args, backend="pallas_triton",
                                            plan=TilePlan(block_v=128, block_t=16))
   dense_value, dense_stats, dense_grads = _value_grads_stats(cutbce.dense_bce, args)
   rounded = {k: np.asarray(args[k].astype(jnp.float32), np.float64)
@@ -107,7 +107,7 @@ VARIANTS = [
 def test_loss_variants_match_float64(options):
   raw = cases.make_case(cases.Case((21,), 301, 16, 3, 2, 32), seed=2, logit_scale=3.0)
   args = _jnp(raw)
-  value, _, grads = _value_grads_stats(cutbce.cut_bce, args, backend="pallas_gpu",
+  value, _, grads = _value_grads_stats(cutbce.cut_bce, args, backend="pallas_triton",
                                        plan=TilePlan(block_v=32, block_t=16), **options)
   want, want_grads, _ = np_reference.bce(
       raw["hidden"], raw["table"], raw["targets"], raw["weights"], bias=raw["bias"],
@@ -123,7 +123,7 @@ def test_reduction_none_with_an_upstream_cotangent_matches_float64():
 
   def loss(hidden, table, bias):
     return cutbce.cut_bce(hidden, table, args["targets"], args["weights"], bias=bias,
-                          exclude=args["exclude"], reduction="none", backend="pallas_gpu")
+                          exclude=args["exclude"], reduction="none", backend="pallas_triton")
 
   value, vjp = jax.vjp(jax.jit(loss), args["hidden"], args["table"], args["bias"])
   grads = vjp(jnp.asarray(upstream, jnp.float32))
@@ -140,7 +140,7 @@ def test_target_ranks_exact_in_groups_of_targets(monkeypatch):
   raw = cases.make_case(cases.Case((3, 11), 777, 24, 5, 4, 64), seed=4)
   args = _jnp(raw)
   kwargs = dict(bias=args["bias"], exclude=args["exclude"], num_items=770, logit_soft_cap=4.0)
-  got = jax.jit(lambda h, e, t: cutbce.target_ranks(h, e, t, backend="pallas_gpu",
+  got = jax.jit(lambda h, e, t: cutbce.target_ranks(h, e, t, backend="pallas_triton",
                                                     plan=PLAN, **kwargs))(
       args["hidden"], args["table"], args["targets"])
   want = np_reference.ranks(raw["hidden"], raw["table"], raw["targets"], bias=raw["bias"],
@@ -163,13 +163,13 @@ def test_planned_tiles_and_vocab_splits_match_xla():
   given_bias = jnp.asarray(rng.normal(size=(1500,)), jnp.float32)
   geom = gpu_plan.geometry("backward", None, 20, 1500, 40, jnp.float32)
   assert geom.vocab_splits > 1 and geom.dim_padded == 64
-  got = jax.jit(lambda *a: gpu.forward_backward(*a, plan=None, with_counts=True))(
+  got = jax.jit(lambda *a: gpu_kernels.forward_backward(*a, plan=None, with_counts=True))(
       hidden, table, bias, scale, given, given_bias)
   want = xla.forward_backward(hidden, table, bias, scale, given, given_bias, plan=None,
                               with_counts=True)
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
-  forward = jax.jit(lambda *a: gpu.forward(*a, plan=None, with_counts=True))(hidden, table, bias)
+  forward = jax.jit(lambda *a: gpu_kernels.forward(*a, plan=None, with_counts=True))(hidden, table, bias)
   np.testing.assert_allclose(forward[0], want[0], rtol=1e-6)
   np.testing.assert_array_equal(forward[1], want[1])
 
@@ -181,7 +181,7 @@ def test_mixed_dtypes_are_cast_not_refused():
   run = lambda backend: jax.value_and_grad(  # noqa: E731
       lambda h, e: cutbce.cut_bce(h, e, raw["targets"], backend=backend, plan=PLAN),
       argnums=(0, 1))(hidden, table)
-  (value, (dh, de)), (want, (want_dh, want_de)) = run("pallas_gpu"), run("xla")
+  (value, (dh, de)), (want, (want_dh, want_de)) = run("pallas_triton"), run("xla")
   assert dh.dtype == jnp.bfloat16 and de.dtype == jnp.float32
   np.testing.assert_allclose(float(value), float(want), rtol=1e-6)
   np.testing.assert_allclose(np.asarray(de), np.asarray(want_de), rtol=1e-5, atol=1e-7)
@@ -192,20 +192,20 @@ def test_unsupported_inputs_and_plans_raise_not_implemented():
   targets = jnp.zeros((4, 1), jnp.int32)
   with pytest.raises(NotImplementedError, match="float16"):
     cutbce.cut_bce(hidden.astype(jnp.float16), jnp.ones((10, 8), jnp.float16), targets,
-                   backend="pallas_gpu")
+                   backend="pallas_triton")
   with pytest.raises(NotImplementedError, match="block_v=100 is not a power of two"):
-    cutbce.cut_bce(hidden, jnp.ones((10, 8)), targets, backend="pallas_gpu",
+    cutbce.cut_bce(hidden, jnp.ones((10, 8)), targets, backend="pallas_triton",
                    plan=TilePlan(block_v=100))
   # D is padded to 1024: the backward's float32 [16, 1024] dh accumulator
   # alone is half of the registers the planner lets a program use.
   with pytest.raises(NotImplementedError, match="no GPU tile fits the backward kernel at D=1000"):
-    cutbce.cut_bce(jnp.ones((4, 1000)), jnp.ones((10, 1000)), targets, backend="pallas_gpu")
+    cutbce.cut_bce(jnp.ones((4, 1000)), jnp.ones((10, 1000)), targets, backend="pallas_triton")
 
 
 def test_auto_never_picks_the_gpu_kernels(monkeypatch):
   flat = cutbce.inputs.flatten_inputs(jnp.ones((4, 8)), jnp.ones((10, 8)),
                                       jnp.zeros((4, 1), jnp.int32))
-  assert "pallas_gpu" in api.BACKEND_CHOICES
+  assert {"pallas_gpu", "pallas_triton"} <= set(api.BACKEND_CHOICES)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert api.resolve_backend("auto", flat) in ("auto", "xla")
 
@@ -293,7 +293,7 @@ def test_float32_kernel_dots_are_ieee_not_tf32(fn):
 
   def loss(hidden, table):
     return fn(hidden, table, args["targets"], args["weights"], exclude=args["exclude"],
-              num_items=NUM_ITEMS, backend="pallas_gpu", plan=PLAN)
+              num_items=NUM_ITEMS, backend="pallas_triton", plan=PLAN)
 
   jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(args["hidden"], args["table"])
   dots = _kernel_dots(jaxpr)

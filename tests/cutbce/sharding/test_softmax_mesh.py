@@ -93,12 +93,12 @@ def test_pallas_tpu_kernels_in_shard_map_equal_the_unsharded_op():
 
 
 @pytest.mark.parametrize("shape,token_axes", [((2, 4), ("data", "model")), ((1, 8), ())])
-def test_pallas_gpu_kernels_in_shard_map_equal_the_unsharded_op(shape, token_axes):
+def test_pallas_triton_kernels_in_shard_map_equal_the_unsharded_op(shape, token_axes):
   """The last vocabulary shard holds padding rows (1003 rows over 4 or 8 shards):
   the GPU kernels mask them through their per-token row limit."""
   got = _outputs(functools.partial(sharded_cut_softmax_ce, mesh=_mesh(shape),
                                    token_axes=token_axes, vocab_axis="model",
-                                   backend="pallas_gpu"))
+                                   backend="pallas_triton"))
   _assert_close(got, _reference())
 
 

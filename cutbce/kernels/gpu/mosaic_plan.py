@@ -1,0 +1,178 @@
+"""Tiles and pipeline depth of the Mosaic GPU kernels, from the device's description.
+
+The GPU twin of the TPU planner (`cutbce/kernels/tiling.py`), chosen when the
+program is traced. One warpgroup (128 threads) per CTA computes each logit
+tile once, on the tensor cores (wgmma, M = 64 rows per warpgroup):
+
+  sweep    (loss sums, counts and dh)  a resident `[64, Dp]` hidden tile,
+           `block_v`-row table tiles streamed by TMA through `stages` shared
+           memory buffers; the vocabulary of each token tile is cut into
+           `vocab_splits` parts so that every SM has work at small T.
+  table    (dE and db)  a resident `[64, Dp]` table tile, `[64, Dp]` hidden
+           tiles streamed the same way; no splits (V / 64 CTAs).
+
+Budgets, per CTA:
+
+- registers: the float32 values one thread keeps live, two `[64, block_v]`
+  logit tiles (the logits and their gradient; three while float32's
+  gradient is split into pieces) and the `[64, Dp]` dh
+  accumulator, over 128 threads, within `REGISTER_VALUES` of the 255
+  registers a thread may hold (ptxas' report is the check: 0 spills, in
+  tests/cutbce/kernels/test_mosaic_compile.py);
+- shared memory: the resident tiles, the gradient tile's pieces (the second
+  dot's operand), the output staging, and `stages` buffers of every streamed
+  operand, within `SHARED_MEMORY_FRACTION` of the opt-in shared memory.
+
+Shapes that do not divide the tiles are padded by the caller (`mosaic.py`):
+T to a multiple of 64, D to a multiple of `DIM_ALIGN` (a 128-byte swizzled
+row of bfloat16; TMA needs 16-byte row strides), V to a multiple of the
+sweep's `block_v`, so every TMA copy is in bounds and no lane reads garbage.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from cutbce.kernels.gpu import plan as gpu_plan
+from cutbce.kernels.gpu import targets
+from cutbce.kernels.tiling import TilePlan
+
+BLOCK_T = 64  # token rows of one warpgroup's wgmma tile (its M)
+TABLE_BLOCK_V = 64  # table rows of the dE kernel's tile (its wgmma M)
+DIM_ALIGN = 64  # D padded to a multiple: 128 bytes of bfloat16, one swizzle row
+MAX_DIM = 256  # the dh accumulator's width in registers
+VOCAB_BLOCKS = (256, 128, 64)  # sweep tile candidates, most preferred first
+MIN_STAGES, MAX_STAGES = 2, 4  # TMA pipeline depth
+THREADS = 128  # one warpgroup
+REGISTER_VALUES = 192  # float32 values per thread (of 255 registers)
+SHARED_MEMORY_FRACTION = 0.95  # of shared_memory_per_block_optin
+CTAS_PER_CORE = 2  # the sweep's vocab splits aim for this many CTAs per SM
+MAX_VOCAB_SPLITS = 64
+PIECE_BYTES = 2  # every operand piece is bfloat16
+
+
+class Geometry(NamedTuple):
+  """Static tiling of one call of the Mosaic GPU kernels."""
+
+  num_tokens: int  # T
+  num_items: int  # rows that are items (columns past it are masked)
+  dim: int  # D
+  tokens_padded: int  # T rounded up to BLOCK_T
+  vocab_padded: int  # rows of the padded table (a multiple of block_v)
+  dim_padded: int  # D rounded up to DIM_ALIGN
+  block_v: int  # the sweep's table tile
+  stages: int  # the sweep's TMA buffers
+  table_stages: int  # the dE kernel's TMA buffers
+  vocab_splits: int
+  tiles_per_split: int
+  pieces: int  # bfloat16 pieces per operand: 1 (bf16) or 3 (f32)
+  num_fixed: int  # fixed columns per token (K)
+
+  @property
+  def num_token_tiles(self) -> int:
+    return self.tokens_padded // BLOCK_T
+
+  @property
+  def num_vocab_tiles(self) -> int:
+    return self.vocab_padded // self.block_v
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-int(n) // multiple) * multiple
+
+
+def sweep_registers(block_v: int, dim_padded: int, pieces: int) -> float:
+  """float32 values per thread the sweep keeps live: two logit tiles (a third while G is
+  split into pieces) and the dh accumulator."""
+  tiles = 2 if pieces == 1 else 3
+  return (tiles * BLOCK_T * block_v + BLOCK_T * dim_padded) / THREADS
+
+
+def sweep_shared_bytes(block_v: int, dim_padded: int, pieces: int, num_fixed: int,
+                       stages: int) -> int:
+  """Shared memory of one sweep CTA (bytes)."""
+  resident = pieces * BLOCK_T * dim_padded * PIECE_BYTES  # hidden tile pieces
+  resident += pieces * BLOCK_T * block_v * PIECE_BYTES  # gradient tile pieces (dot operand)
+  resident += BLOCK_T * dim_padded * 4 + 3 * BLOCK_T * 4  # dh, sums, counts staging (f32)
+  resident += (1 + 2 * num_fixed) * BLOCK_T * 4  # scale, fixed ids and values
+  streamed = pieces * block_v * dim_padded * PIECE_BYTES + block_v * 4  # table pieces, bias
+  return resident + stages * streamed
+
+
+def table_shared_bytes(dim_padded: int, pieces: int, num_fixed: int, stages: int) -> int:
+  """Shared memory of one dE CTA (bytes)."""
+  resident = pieces * TABLE_BLOCK_V * dim_padded * PIECE_BYTES + TABLE_BLOCK_V * 4
+  resident += pieces * BLOCK_T * TABLE_BLOCK_V * PIECE_BYTES  # gradient tile pieces
+  resident += TABLE_BLOCK_V * dim_padded * 4 + TABLE_BLOCK_V * 4  # dE, db staging
+  streamed = pieces * BLOCK_T * dim_padded * PIECE_BYTES + (1 + 2 * num_fixed) * BLOCK_T * 4
+  return resident + stages * streamed
+
+
+def _stages(fits) -> int | None:
+  """The deepest pipeline in [MIN_STAGES, MAX_STAGES] that `fits(stages)`, or None."""
+  for stages in range(MAX_STAGES, MIN_STAGES - 1, -1):
+    if fits(stages):
+      return stages
+  return None
+
+
+def plan_problem(plan: TilePlan | None) -> str | None:
+  """Why a user's `plan` cannot tile the Mosaic GPU kernels, or None."""
+  if plan is None:
+    return None
+  problems = []
+  if plan.block_t is not None and plan.block_t != BLOCK_T:
+    problems.append(f"block_t={plan.block_t} (one warpgroup's wgmma tile is {BLOCK_T} rows)")
+  if plan.block_v not in VOCAB_BLOCKS:
+    problems.append(f"block_v={plan.block_v} is not one of {VOCAB_BLOCKS}")
+  return "; ".join(problems) or None
+
+
+def geometry(num_tokens: int, num_items: int, vocab_rows: int, dim: int, pieces: int,
+             num_fixed: int, plan: TilePlan | None = None,
+             spec: targets.GpuSpec | None = None) -> Geometry:
+  """The plan of one call for the device planned for (`plan.current_spec`).
+
+  Raises:
+    ValueError: D is too wide, `plan` breaks the tile rules, or nothing fits.
+  """
+  spec = spec or gpu_plan.current_spec()
+  if dim > MAX_DIM:
+    raise ValueError(f"the Mosaic GPU kernels take D <= {MAX_DIM}, got D={dim}")
+  problem = plan_problem(plan)
+  if problem:
+    raise ValueError(f"TilePlan {plan} cannot tile the Mosaic GPU kernels: {problem}")
+  dim_padded = round_up(dim, DIM_ALIGN)
+  budget = SHARED_MEMORY_FRACTION * spec.shared_memory_per_block_optin
+  candidates = (plan.block_v,) if plan is not None else VOCAB_BLOCKS
+  block_v = stages = None
+  for candidate in candidates:
+    if sweep_registers(candidate, dim_padded, pieces) > REGISTER_VALUES:
+      continue
+    stages = _stages(lambda s, v=candidate: sweep_shared_bytes(
+        v, dim_padded, pieces, num_fixed, s) <= budget)
+    if stages is not None:
+      block_v = candidate
+      break
+  table_stages = _stages(lambda s: table_shared_bytes(dim_padded, pieces, num_fixed, s) <= budget)
+  if block_v is None or table_stages is None:
+    raise ValueError(
+        f"no Mosaic GPU tile fits D={dim} with {pieces} operand piece(s) and {num_fixed} fixed "
+        f"columns on {spec.name}: {sweep_shared_bytes(64, dim_padded, pieces, num_fixed, 2)} B "
+        f"of shared memory at the smallest tile, budget {budget:.0f} B")
+  # Never a tile much wider than the catalog.
+  while block_v > VOCAB_BLOCKS[-1] and block_v // 2 >= num_items:
+    block_v //= 2
+  tokens_padded = round_up(max(num_tokens, 1), BLOCK_T)
+  vocab_padded = round_up(max(vocab_rows, 1), block_v)
+  num_token_tiles = tokens_padded // BLOCK_T
+  num_vocab_tiles = vocab_padded // block_v
+  wanted = -(-CTAS_PER_CORE * spec.core_count // num_token_tiles)
+  splits = max(1, min(MAX_VOCAB_SPLITS, wanted, num_vocab_tiles))
+  tiles_per_split = -(-num_vocab_tiles // splits)
+  splits = -(-num_vocab_tiles // tiles_per_split)  # no empty split
+  return Geometry(
+      num_tokens=num_tokens, num_items=num_items, dim=dim, tokens_padded=tokens_padded,
+      vocab_padded=vocab_padded, dim_padded=dim_padded, block_v=block_v, stages=stages,
+      table_stages=table_stages, vocab_splits=splits, tiles_per_split=tiles_per_split,
+      pieces=pieces, num_fixed=num_fixed)
