@@ -40,12 +40,16 @@ class Topology:
     topology_name: libtpu's topology string ("v6e:2x4").
     chips_per_host_bounds: chips per host along each axis (one VM's chips).
     chip: the `tiling.chip_spec` name of one chip ("v6e").
+    chip_config_name: libtpu's chip configuration: "megacore" for v4, whose
+      two TensorCores Cloud TPU drives as one device (as v5p's always are);
+      "default" for the others.
   """
 
   name: str
   topology_name: str
   chips_per_host_bounds: tuple[int, int, int]
   chip: str
+  chip_config_name: str = "default"
 
   @property
   def chips(self) -> int:
@@ -62,13 +66,15 @@ class Topology:
     return max(1, self.chips // per_host)
 
 
-def _topology(name, topology_name, bounds, chip):
+def _topology(name, topology_name, bounds, chip, chip_config_name="default"):
   return name, Topology(name=name, topology_name=topology_name, chips_per_host_bounds=bounds,
-                        chip=chip)
+                        chip=chip, chip_config_name=chip_config_name)
 
 
 # Single-host v5e / v6e slices hold up to 8 chips on one VM; 16 chips are four
-# VMs of 4. v4 and v5p count TensorCores (2 per chip) and put 4 chips per VM.
+# VMs of 4. v4 and v5p count TensorCores (2 per chip) and put 4 chips per VM,
+# one device per chip (megacore): libtpu's "default" v4 configuration would
+# instead show each TensorCore as a device, which Cloud TPU v4 VMs do not.
 TOPOLOGIES: dict[str, Topology] = dict([
     _topology("v5e-1", "v5e:1x1", (1, 1, 1), "v5e"),
     _topology("v5e-4", "v5e:2x2", (2, 2, 1), "v5e"),
@@ -80,8 +86,8 @@ TOPOLOGIES: dict[str, Topology] = dict([
     _topology("v6e-8", "v6e:2x4", (2, 4, 1), "v6e"),
     _topology("v6e-16", "v6e:4x4", (2, 2, 1), "v6e"),
     _topology("v6e-32", "v6e:4x8", (2, 2, 1), "v6e"),
-    _topology("v4-8", "v4:2x2x1", (2, 2, 1), "v4"),
-    _topology("v4-16", "v4:2x2x2", (2, 2, 1), "v4"),
+    _topology("v4-8", "v4:2x2x1", (2, 2, 1), "v4", "megacore"),
+    _topology("v4-16", "v4:2x2x2", (2, 2, 1), "v4", "megacore"),
     _topology("v5p-8", "v5p:2x2x1", (2, 2, 1), "v5p"),
     _topology("v5p-16", "v5p:2x2x2", (2, 2, 1), "v5p"),
     # TPU7x (Ironwood): 4 chips per VM, two TensorCores per chip, each its own
@@ -137,7 +143,7 @@ def topology_devices(name: str, num_slices: int = 1) -> list:
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   try:
     desc = topologies.get_topology_desc(
-        platform="tpu", topology_name=spec.topology_name, chip_config_name="default",
+        platform="tpu", topology_name=spec.topology_name, chip_config_name=spec.chip_config_name,
         chips_per_host_bounds=spec.chips_per_host_bounds, num_slices=num_slices,
         wrap=(False, False, False))
   except Exception as error:  # pylint: disable=broad-exception-caught
@@ -312,10 +318,15 @@ def kernel_call(kernel: str, *, num_tokens: int, vocab: int, dim: int, dtype, pl
 
 
 def compile_kernel(kernel: str, **kwargs):
-  """`kernel_call(kernel, **kwargs)` lowered and compiled: the `Compiled` program."""
+  """`kernel_call(kernel, **kwargs)` lowered and compiled: the `Compiled` program.
+
+  Traced for the chip of `kwargs["device"]` (`planning_for`): its plan where
+  none is given, and its TensorCores (the backward's core split on v4, v5p).
+  """
   import jax  # pylint: disable=import-outside-toplevel
   fn, args = kernel_call(kernel, **kwargs)
-  return jax.jit(fn).lower(*args).compile()
+  with planning_for([kwargs["device"]]):
+    return jax.jit(fn).lower(*args).compile()
 
 
 def measured_vmem_bytes(kernel: str, *, plan, max_tries: int = 12, **kwargs) -> int:
@@ -346,3 +357,127 @@ def measured_vmem_bytes(kernel: str, *, plan, max_tries: int = 12, **kwargs) -> 
       continue
     return limit
   raise RuntimeError(f"the {kernel} kernel's VMEM did not settle in {max_tries} compiles")
+
+
+# --------------------------------------------------------------------------- #
+# The compiled kernel's loop: how many grid steps one TensorCore runs.         #
+# --------------------------------------------------------------------------- #
+
+# libtpu flags that write each compiled kernel's LLO (the TensorCore program
+# XLA:TPU emits around the Mosaic body: the grid's pipeline loop, DMAs, the
+# VMEM windows) as text, first pass only.
+_LLO_DUMP_FLAGS = "--xla_jf_dump_to={path} --xla_jf_dump_llo_pass_label_regex=^original$"
+_LLO_LOOP = re.compile(r"^\s*loop: start=0, step=1, limit=(\d+)", re.MULTILINE)
+
+
+def kernel_loops(dump_dir: str) -> dict[str, int]:
+  """`{kernel name: trip count of its outermost loop}` from an LLO dump directory.
+
+  The outermost loop of a Mosaic kernel's LLO is its grid pipeline: one trip
+  per grid step the TensorCore runs, plus two (the first block's fetch and
+  the last block's write-back). On a megacore chip a grid whose "parallel"
+  axis is split between the two TensorCores runs half its steps on each:
+  steps / 2 + 2 trips instead of steps + 2. Names are the kernels' own
+  (`cutbce_backward_bt256_bv4096_chunk2048_cores2`), without XLA's suffix.
+  """
+  loops = {}
+  for name in sorted(os.listdir(dump_dir)):
+    match = re.match(r"\d+-(cutbce_\w+?)(?:\.\d+)?-\d+-original\.txt$", name)
+    if match is None:
+      continue
+    with open(os.path.join(dump_dir, name), encoding="utf-8", errors="replace") as text:
+      found = _LLO_LOOP.search(text.read())
+    if found is not None:
+      loops[match.group(1)] = int(found.group(1))
+  return loops
+
+
+_COMPILE_ONE = """
+import json, sys
+import jax.numpy as jnp
+from cutbce.kernels import compiler, tiling
+spec = json.loads(sys.argv[1])
+plan = spec.pop("plan")
+plan = None if plan is None else tiling.TilePlan(**plan)
+device = compiler.topology_devices(spec.pop("topology"))[0]
+compiler.compile_kernel(spec.pop("kernel"), plan=plan, device=device,
+                        dtype=jnp.dtype(spec.pop("dtype")), **spec)
+"""
+
+
+def compiled_kernel_loops(kernel: str, *, topology: str, num_tokens: int, vocab: int, dim: int,
+                          dtype, plan=None, timeout: float = 600, **kwargs) -> dict[str, int]:
+  """`kernel_loops` of one kernel (`compile_kernel`) compiled for a chip of `topology`.
+
+  The LLO dump is a libtpu flag read when libtpu loads, so the kernel is
+  compiled in a child process (a few seconds); nothing runs.
+
+  Raises:
+    RuntimeError: the child failed (its last lines of stderr are in the message).
+  """
+  import json  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  spec = dict(kernel=kernel, topology=topology, num_tokens=num_tokens, vocab=vocab, dim=dim,
+              dtype=jnp.dtype(dtype).name,
+              plan=None if plan is None else dataclasses.asdict(plan), **kwargs)
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  with tempfile.TemporaryDirectory() as dump:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+               LIBTPU_INIT_ARGS=" ".join([os.environ.get("LIBTPU_INIT_ARGS", ""),
+                                          _LLO_DUMP_FLAGS.format(path=dump)]).strip())
+    result = subprocess.run([sys.executable, "-c", _COMPILE_ONE, json.dumps(spec)], env=env,
+                            capture_output=True, text=True, timeout=timeout, check=False)
+    if result.returncode != 0:
+      raise RuntimeError(f"compiling the {kernel} kernel for {topology} failed: "
+                         + " | ".join(result.stderr.strip().splitlines()[-3:]))
+    return kernel_loops(dump)
+
+
+# --------------------------------------------------------------------------- #
+# The plans a compiled program's kernels carry, beside the compiler's VMEM.    #
+# --------------------------------------------------------------------------- #
+
+_KERNEL_NAME = re.compile(r"%(cutbce_(\w+?)_bt(\d+)_bv(\d+)_chunk(\d+)(?:_cores(\d+))?)(?:\.\d+)? = ")
+_SCOPED_LIMIT = re.compile(r'"scoped_memory_configs":\[\{"memory_space":"1","offset":"0",'
+                           r'"size":"(\d+)"')
+_SCOPED_USED = re.compile(r'"used_scoped_memory_configs":\[\{"memory_space":"1","offset":"0",'
+                          r'"size":"(\d+)"')
+_FIRST_OPERAND = re.compile(r"operand_layout_constraints=\{(\w+)\[(\d+),(\d+)\]")
+
+
+def kernel_plans(compiled) -> list[dict]:
+  """The Pallas kernels of a compiled TPU program, each with its plan and VMEM figures.
+
+  One entry per distinct kernel (its name carries the plan: `block_t`,
+  `block_v`, `token_chunk`, and `cores` when the backward's sweep is split
+  over a megacore chip's TensorCores), with `calls` (the backward runs one
+  call per token chunk), `tokens` and `dim` (its first operand, the hidden
+  `[T, D]` block's array), `limit_bytes` (the `vmem_limit_bytes` it was
+  compiled with) and `used_bytes` (the scoped VMEM the compiler reports the
+  kernel uses, or None).
+  """
+  found: dict[str, dict] = {}
+  for line in compiled.as_text().splitlines():
+    if 'custom_call_target="tpu_custom_call"' not in line:
+      continue
+    name = _KERNEL_NAME.search(line)
+    if name is None:
+      continue
+    limit, used = _SCOPED_LIMIT.search(line), _SCOPED_USED.search(line)
+    operand = _FIRST_OPERAND.search(line)
+    entry = found.setdefault(name.group(1), {
+        "name": name.group(1), "kernel": name.group(2), "block_t": int(name.group(3)),
+        "block_v": int(name.group(4)), "token_chunk": int(name.group(5)),
+        "cores": int(name.group(6) or 1), "calls": 0,
+        "dtype": operand.group(1) if operand else None,
+        "tokens": int(operand.group(2)) if operand else None,
+        "dim": int(operand.group(3)) if operand else None,
+        "limit_bytes": int(limit.group(1)) if limit else None, "used_bytes": None})
+    entry["calls"] += 1
+    if used is not None:
+      entry["used_bytes"] = max(entry["used_bytes"] or 0, int(used.group(1)))
+  return list(found.values())

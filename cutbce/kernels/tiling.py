@@ -195,7 +195,8 @@ def chip_spec(chip: str | None = None) -> ChipSpec:
   if chip is None:
     if jax.default_backend() == "tpu" and pltpu is not None:
       info = pltpu.get_tpu_info()
-      return _spec_from_info(str(info.chip_version), info)
+      # ChipVersion.TPU_V5P -> "v5p", the names the tables here use.
+      return _spec_from_info(str(getattr(info.chip_version, "value", info.chip_version)), info)
     chip = getattr(_TARGET, "chip", None) or DEFAULT_CHIP
   versions = getattr(pltpu, "ChipVersion", None)
   for_chip = getattr(pltpu, "get_tpu_info_for_chip", None)
@@ -327,6 +328,16 @@ def _itemsize(dtype) -> int:
 MEGACORE_TENSOR_CORES = {"v4": 2, "v5p": 2}
 
 
+def tensor_cores(chip: str | None = None) -> int:
+  """TensorCores one device of `chip` drives as one (2 on v4 and v5p, else 1).
+
+  `chip=None`: the chip `chip_spec(None)` describes (the attached TPU, the
+  enclosing `target_chip`, or `DEFAULT_CHIP`). The backward kernel splits its
+  vocabulary sweep into this many "parallel" slices (`tpu._backward`).
+  """
+  return MEGACORE_TENSOR_CORES.get(chip_spec(chip).name, 1)
+
+
 def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None = None,
                kernel: str | None = None, num_targets: int = PLANNED_TARGETS,
                extra_logit_tiles: int = 0) -> TilePlan:
@@ -338,6 +349,7 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
   the fewest token chunks (HBM traffic on the table), then the largest logit
   tile up to `MAX_LOGIT_TILE_BYTES`, then the widest `block_v` (fewer grid
   steps). Every candidate's VMEM is `vmem_estimate` of the heaviest kernel.
+  The chunks are then balanced (`balanced_chunk`): as many, of equal size.
   On a megacore chip (v4, v5p) a chunk holds at most 1/2 of the token tiles,
   so both TensorCores get a chunk (`MEGACORE_TENSOR_CORES`).
 
@@ -395,7 +407,8 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
       key = (chunks < cores, chunks, -block_t * block_v, -block_v)
       if best_key is None or key < best_key:
         best_key = key
-        best = TilePlan(block_v=block_v, block_t=block_t, token_chunk=chunk,
+        best = TilePlan(block_v=block_v, block_t=block_t,
+                        token_chunk=balanced_chunk(num_tokens, chunk, block_t),
                         vmem_limit_bytes=budget)
   if best is None:
     smallest = plan_vmem_bytes(
@@ -408,6 +421,17 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
         f"({VMEM_BUDGET_FRACTION:.0%} of {spec.vmem_capacity_bytes / MIB:.0f} MiB)"
     )
   return best
+
+
+def balanced_chunk(num_tokens: int, chunk: int, block_t: int) -> int:
+  """The smallest multiple of `block_t` that cuts T into as many chunks as `chunk` does.
+
+  The largest chunk that fits leaves the last chunk short (T = 65,536 in
+  chunks of 34,560: 34,560 + 30,976); equal chunks of 32,768 read the table
+  as often, hold less VMEM and pad at most `block_t` - 1 rows per chunk.
+  """
+  chunks = -(-num_tokens // chunk)
+  return min(chunk, _round_up(-(-num_tokens // chunks), block_t))
 
 
 def _largest_chunk(num_tokens, block_t, block_v, dim, itemsize, budget, sizing, min_chunks=1):

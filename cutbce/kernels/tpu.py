@@ -233,10 +233,18 @@ class _Geometry(NamedTuple):
   num_subtiles: int  # chunk // block_t
   num_vocab_tiles: int
   vmem_limit_bytes: int
+  # Backward only: TensorCores the vocabulary sweep is split over (2 on a
+  # megacore chip, v4 and v5p, when there are two tiles or more; else 1).
+  cores: int = 1
 
   @property
   def ragged_vocab(self) -> bool:
     return self.vocab % self.block_v != 0
+
+  @property
+  def tiles_per_core(self) -> int:
+    """Vocab tiles each core sweeps (the last core's last step may be past V: skipped)."""
+    return _cdiv(self.num_vocab_tiles, self.cores)
 
 
 def _geometry(plan: TilePlan | None, hidden, table, kernel: str, num_targets: int = 0, *,
@@ -297,10 +305,14 @@ def _geometry(plan: TilePlan | None, hidden, table, kernel: str, num_targets: in
         f"kernel at T={num_tokens}, V={vocab}, D={dim}, {hidden.dtype}, over its "
         f"vmem_limit_bytes of {plan.vmem_limit_bytes / tiling.MIB:.1f} MiB"
     )
+  num_vocab_tiles = _cdiv(vocab, block_v)
+  # The backward's vocab axis carries dh, so it is "arbitrary": on a megacore
+  # chip it is cut into one slice per TensorCore, a "parallel" axis of its own.
+  cores = tiling.tensor_cores() if kernel == "backward" and num_vocab_tiles > 1 else 1
   return _Geometry(
       num_tokens=num_tokens, vocab=vocab, chunk=chunk, block_t=block_t, block_v=block_v,
       num_chunks=_cdiv(num_tokens, chunk), num_subtiles=chunk // block_t,
-      num_vocab_tiles=_cdiv(vocab, block_v), vmem_limit_bytes=plan.vmem_limit_bytes,
+      num_vocab_tiles=num_vocab_tiles, vmem_limit_bytes=plan.vmem_limit_bytes, cores=cores,
   )
 
 
@@ -494,16 +506,21 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
   bias_ref = refs.pop(0) if has_bias else None  # [1, block_v] f32
   table_grad_in_ref = refs.pop(0)  # [block_v, D] f32, the given (sparse) part
   bias_grad_in_ref = refs.pop(0) if has_bias else None  # [1, block_v] f32
+  # dh and the per-token sums: this core's partial (summed over cores after
+  # the call), resident along its sweep. dE: its own rows, no partial.
   hidden_grad_ref = refs.pop(0)  # [chunk, D] f32 accumulator, resident all sweep
   table_grad_ref = refs.pop(0)  # [block_v, D] f32, written once per step
   bias_grad_ref = refs.pop(0) if has_bias else None  # [1, block_v] f32
   # One pass only: per-token sums, resident along the vocab axis like dh.
   dense_ref = refs.pop(0) if with_loss else None  # [chunk, 1] f32
   count_ref = refs.pop(0) if with_counts else None  # [chunk, 1] int32
-  vocab_index = pl.program_id(0)
-  compute_dtype = table_ref.dtype
+  if geom.cores == 1:
+    step = vocab_index = pl.program_id(0)
+  else:  # grid (cores "parallel", tiles per core "arbitrary")
+    step = pl.program_id(1)
+    vocab_index = pl.program_id(0) * geom.tiles_per_core + step
 
-  @pl.when(vocab_index == 0)
+  @pl.when(step == 0)
   def init():
     hidden_grad_ref[...] = jnp.zeros_like(hidden_grad_ref)
     if with_loss:
@@ -511,6 +528,34 @@ def _backward_kernel(*refs, geom: _Geometry, rows_in_chunk: int, has_bias: bool,
     if with_counts:
       count_ref[...] = jnp.zeros_like(count_ref)
 
+  tile = functools.partial(
+      _backward_tile,
+      refs=(hidden_ref, scale_ref, log_z_ref, offset_ref, exclude_ref, valid_rows_ref,
+            fixed_ids_ref, fixed_values_ref, table_ref, bias_ref, table_grad_in_ref,
+            bias_grad_in_ref, hidden_grad_ref, table_grad_ref, bias_grad_ref, dense_ref,
+            count_ref),
+      geom=geom, rows_in_chunk=rows_in_chunk, options=options, with_loss=with_loss,
+      with_counts=with_counts, softmax=softmax, num_fixed=num_fixed)
+  if geom.cores * geom.tiles_per_core == geom.num_vocab_tiles:
+    tile(vocab_index)
+    return
+
+  # An odd tile count: the last core's last step maps to its previous tile
+  # (see `_backward`'s index maps), whose blocks stay resident; it does nothing.
+  @pl.when(vocab_index < geom.num_vocab_tiles)
+  def sweep():
+    tile(vocab_index)
+
+
+def _backward_tile(vocab_index, *, refs, geom: _Geometry, rows_in_chunk: int,
+                   options: LossOptions, with_loss: bool, with_counts: bool,
+                   softmax: "_Softmax | None", num_fixed: int):
+  """One vocab tile of the backward: dE's tile, and dh (and the sums) accumulated."""
+  (hidden_ref, scale_ref, log_z_ref, offset_ref, exclude_ref, valid_rows_ref, fixed_ids_ref,
+   fixed_values_ref, table_ref, bias_ref, table_grad_in_ref, bias_grad_in_ref, hidden_grad_ref,
+   table_grad_ref, bias_grad_ref, dense_ref, count_ref) = refs
+  has_bias = bias_ref is not None
+  compute_dtype = table_ref.dtype
   table = _table_tile(table_ref, vocab_index, geom)  # [block_v, D]
   valid = _column_ids(vocab_index, geom) < geom.vocab if geom.ragged_vocab else None
   if softmax:
@@ -638,11 +683,28 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, log_z=None, off
   num_fixed = 0 if fixed_ids is None else fixed_ids.shape[1]
   hidden_grads, dense_sums, positive_counts = [], [], []
 
+  cores, per_core = geom.cores, geom.tiles_per_core
+  if cores == 1:
+    grid, semantics = (geom.num_vocab_tiles,), (pltpu.ARBITRARY,)
+    tile_of = lambda tile: tile  # noqa: E731
+  else:
+    # Megacore (v4, v5p): core c sweeps tiles [c * per_core, (c + 1) * per_core),
+    # writing its own dE rows and its own dh partial. An odd tile count leaves
+    # the last core one step past V: it maps to the core's previous tile.
+    grid, semantics = (cores, per_core), (pltpu.PARALLEL, pltpu.ARBITRARY)
+    tile_of = lambda core, step: jnp.minimum(  # noqa: E731
+        core * per_core + step, geom.num_vocab_tiles - 1)
+  # A core's partials (dh, the sums): a [cores, rows, ...] output, one block each.
+  partial = (lambda *shape: shape) if cores == 1 else (lambda *shape: (cores,) + shape)
+  partial_block = (lambda *shape: shape) if cores == 1 else (
+      lambda *shape: (pl.Squeezed(),) + shape)
+  partial_map = (lambda *ids: (0, 0)) if cores == 1 else (lambda core, step: (core, 0, 0))
+
   for chunk in range(geom.num_chunks):  # the outer loop over token chunks
     rows_in_chunk = min(geom.chunk, num_tokens - chunk * geom.chunk)
-    hidden_index_map = lambda tile, chunk=chunk: (chunk, 0)
-    table_index_map = lambda tile: (tile, 0)
-    bias_index_map = lambda tile: (0, tile)
+    hidden_index_map = lambda *ids, chunk=chunk: (chunk, 0)
+    table_index_map = lambda *ids: (tile_of(*ids), 0)
+    bias_index_map = lambda *ids: (0, tile_of(*ids))
     in_specs = [
         pl.BlockSpec((geom.chunk, dim), hidden_index_map),
         pl.BlockSpec((geom.chunk, 1), hidden_index_map),
@@ -651,7 +713,7 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, log_z=None, off
     operands = [hidden, scale]
     if softmax:
       softmax_specs, softmax_operands = _softmax_inputs(
-          geom, softmax, hidden_index_map, lambda tile: (0, 0), exclude_ids, valid_rows)
+          geom, softmax, hidden_index_map, lambda *ids: (0, 0), exclude_ids, valid_rows)
       vectors = [log_z] + ([offset] if softmax.offset else [])
       in_specs[2:2] = [pl.BlockSpec((geom.chunk, 1), hidden_index_map)] * len(vectors)
       in_specs[2 + len(vectors):2 + len(vectors)] = softmax_specs
@@ -672,36 +734,36 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, log_z=None, off
       in_specs.append(pl.BlockSpec((1, geom.block_v), bias_index_map))
       operands.append(bias_grad_row)
     out_specs = [
-        # This chunk's dh: one block, constant index, resident for the sweep.
-        pl.BlockSpec((geom.chunk, dim), lambda tile: (0, 0)),
+        # This chunk's dh (per core): one block, constant index, resident for the sweep.
+        pl.BlockSpec(partial_block(geom.chunk, dim), partial_map),
         pl.BlockSpec((geom.block_v, dim), table_index_map),
     ]
     out_shape = [
-        jax.ShapeDtypeStruct((rows_in_chunk, dim), jnp.float32),
+        jax.ShapeDtypeStruct(partial(rows_in_chunk, dim), jnp.float32),
         jax.ShapeDtypeStruct((vocab, dim), jnp.float32),
     ]
     if has_bias:
       out_specs.append(pl.BlockSpec((1, geom.block_v), bias_index_map))
       out_shape.append(jax.ShapeDtypeStruct((1, vocab), jnp.float32))
-    token_spec = pl.BlockSpec((geom.chunk, 1), lambda tile: (0, 0))
+    token_spec = pl.BlockSpec(partial_block(geom.chunk, 1), partial_map)
     if with_loss:
       out_specs.append(token_spec)
-      out_shape.append(jax.ShapeDtypeStruct((rows_in_chunk, 1), jnp.float32))
+      out_shape.append(jax.ShapeDtypeStruct(partial(rows_in_chunk, 1), jnp.float32))
     if with_counts:
       out_specs.append(token_spec)
-      out_shape.append(jax.ShapeDtypeStruct((rows_in_chunk, 1), jnp.int32))
+      out_shape.append(jax.ShapeDtypeStruct(partial(rows_in_chunk, 1), jnp.int32))
     outputs = pl.pallas_call(
         functools.partial(
             _backward_kernel, geom=geom, rows_in_chunk=rows_in_chunk, has_bias=has_bias,
             options=options, with_loss=with_loss, with_counts=with_counts, softmax=softmax,
             num_fixed=num_fixed,
         ),
-        grid=(geom.num_vocab_tiles,),
+        grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases=aliases if alias else {},
-        compiler_params=_compiler_params(geom, (pltpu.ARBITRARY,)),
+        compiler_params=_compiler_params(geom, semantics),
         cost_estimate=pl.CostEstimate(
             flops=3 * 2 * rows_in_chunk * geom.vocab * dim,
             transcendentals=rows_in_chunk * geom.vocab,
@@ -710,17 +772,19 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, log_z=None, off
         ),
         interpret=interpret,
         name=f"cutbce_{'softmax_' if softmax else ''}backward_bt{geom.block_t}"
-        f"_bv{geom.block_v}_chunk{geom.chunk}",
+        f"_bv{geom.block_v}_chunk{geom.chunk}" + (f"_cores{cores}" if cores > 1 else ""),
     )(*operands)
     outputs = list(outputs)
-    hidden_grads.append(outputs.pop(0))
+    # The cores' partials summed once, after the sweep ([cores, chunk, D]: tiny).
+    total = (lambda x: x) if cores == 1 else (lambda x: jnp.sum(x, axis=0))  # noqa: E731
+    hidden_grads.append(total(outputs.pop(0)))
     table_grad = outputs.pop(0)
     if has_bias:
       bias_grad_row = outputs.pop(0)
     if with_loss:
-      dense_sums.append(outputs.pop(0)[:, 0])
+      dense_sums.append(total(outputs.pop(0))[:, 0])
     if with_counts:
-      positive_counts.append(outputs.pop(0)[:, 0])
+      positive_counts.append(total(outputs.pop(0))[:, 0])
   if not alias and walked_rows < vocab:
     # A fresh output holds garbage in the rows the grid never visited (past
     # num_items): they keep the given (sparse) part there.

@@ -118,3 +118,20 @@ def test_xla_tile_depends_on_the_platform():
   gpu = tiling.default_xla_block_v(2048, 10_000_000, platform="gpu")
   assert cpu == 256 and gpu == 4096
   assert tiling.default_xla_block_v(2048, 1000, platform="tpu") == 1000
+
+
+@pytest.mark.parametrize("chip", ("v4", "v5e", "v5p", "v6e", "7x"))
+def test_token_chunks_are_balanced(chip):
+  # As many chunks as the largest chunk that fits gives, of equal size: no
+  # chunk is padded by a block_t tile or more, and none holds more VMEM.
+  for tokens, dim, dtype in itertools.product((1000, 20_000, 65_536, 100_003), (128, 512),
+                                              ("bfloat16", "float32")):
+    for kernel in ("forward", "backward"):
+      plan = cutbce.plan_tiles(tokens, 876_939, dim, dtype, chip=chip, kernel=kernel)
+      chunks = -(-tokens // plan.token_chunk)
+      where = f"{chip} T={tokens} D={dim} {dtype} {kernel}: {plan}"
+      assert chunks * plan.token_chunk - tokens < chunks * plan.block_t, where
+      assert plan.token_chunk % plan.block_t == 0, where
+  assert tiling.balanced_chunk(65_536, 34_560, 256) == 32_768
+  assert tiling.balanced_chunk(1000, 1024, 256) == 1024
+  assert tiling.balanced_chunk(5000, 2048, 256) == 1792  # 3 chunks of 1,792, not 2,048 + 2,048 + 904

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from cutbce.kernels import compiler, tiling
+from cutbce.kernels.tiling import TilePlan
 
 NO_LIBTPU = compiler.libtpu_missing_reason() is not None
 
@@ -126,3 +127,28 @@ def test_planned_kernels_compile_for_tpu7x(kernel):
 def test_fallback_chip_table_matches_jax_where_jax_knows_the_chip():
   for name, fallback in tiling._FALLBACK_CHIPS.items():  # pylint: disable=protected-access
     assert tiling.chip_spec(name) == fallback, name
+
+
+@pytest.mark.skipif(NO_LIBTPU, reason="libtpu missing: pip install 'cutbce[tpu]'")
+@pytest.mark.parametrize("topology,cores", [
+    ("v5p-8", 2), ("v4-8", 2), pytest.param("tpu7x-8", 1, marks=pytest.mark.slow)])
+def test_compiled_backward_runs_half_the_vocab_sweep_on_each_megacore_tensor_core(topology, cores):
+  # 9 vocab tiles (odd: the second core's last step is past V), two token chunks.
+  plan = TilePlan(block_v=1024, block_t=256, token_chunk=512, vmem_limit_bytes=12 * 2**20)
+  loops = compiler.compiled_kernel_loops("one_pass", topology=topology, num_tokens=1000,
+                                         vocab=9_000, dim=128, dtype="bfloat16", plan=plan)
+  [(name, trips)] = loops.items()
+  tiles = 9
+  if cores == 2:
+    # Grid (2 "parallel", 5 "arbitrary") split by the compiler: 5 steps per core, not 10.
+    assert name.endswith("_cores2"), name
+    assert trips == -(-tiles // 2) + 2, (name, trips)
+  else:  # TPU7x: one TensorCore per device, the sweep unchanged
+    assert "_cores" not in name and trips == tiles + 2, (name, trips)
+
+
+def test_kernel_loops_reads_the_outermost_loop_of_each_kernel(tmp_path):
+  (tmp_path / "17-cutbce_backward_bt8_bv128_chunk16_cores2.3-00-original.txt").write_text(
+      "$region0\n    loop: start=0, step=1, limit=7\n        loop: start=0, step=1, limit=2\n")
+  (tmp_path / "18-reduce-00-original.txt").write_text("    loop: start=0, step=1, limit=99\n")
+  assert compiler.kernel_loops(str(tmp_path)) == {"cutbce_backward_bt8_bv128_chunk16_cores2": 7}

@@ -311,3 +311,76 @@ def test_auto_falls_back_on_a_tpu_with_one_log_line(monkeypatch, caplog):
       assert api.resolve_backend("auto", half) == "xla"
   lines = [r.getMessage() for r in caplog.records if r.name == "cutbce"]
   assert len(lines) == 1 and "float16" in lines[0], lines
+
+
+def _float64_backward(hidden, table, bias, scale, given, given_bias, fixed_ids, fixed_values):
+  """dh, dE, db and the per-token softplus sums and #{x > 0}, in float64 NumPy."""
+  h, e = np.asarray(hidden, np.float64), np.asarray(table, np.float64)
+  x = h @ e.T + np.asarray(bias, np.float64)
+  grad = np.asarray(scale, np.float64)[:, None] / (1.0 + np.exp(-x))  # g_t sigmoid(x_tv)
+  for row, (ids, values) in enumerate(zip(np.asarray(fixed_ids), np.asarray(fixed_values))):
+    for column, value in zip(ids, values):
+      if 0 <= column < e.shape[0]:
+        grad[row, column] = value
+  return (np.logaddexp(0.0, x).sum(1), (x > 0).sum(1), grad @ e,
+          np.asarray(given, np.float64) + grad.T @ h,
+          np.asarray(given_bias, np.float64) + grad.sum(0))
+
+
+# (V, block_v): tiles 5 (odd: one core's last step is past V) with V ragged,
+# 5 exact (dE updated in place), 4 (even) ragged, and 1 (too few to split).
+MEGACORE_SWEEPS = [(517, 128), (640, 128), (1000, 256), (100, 128)]
+
+
+@pytest.mark.parametrize("vocab,block_v", MEGACORE_SWEEPS)
+def test_megacore_backward_splits_the_vocabulary_and_matches_float64(vocab, block_v):
+  # T = 39 in chunks of 16 (16, 16, 7): no shape divides a tile.
+  rng = np.random.default_rng(vocab)
+  tokens, dim = 39, 128
+  hidden = jnp.asarray(rng.normal(size=(tokens, dim)) * 0.1, jnp.float32)
+  table = jnp.asarray(rng.normal(size=(vocab, dim)), jnp.float32)
+  bias = jnp.asarray(rng.normal(size=(vocab,)), jnp.float32)
+  scale = jnp.asarray(rng.random(tokens) + 0.1, jnp.float32)
+  given = jnp.asarray(rng.normal(size=(vocab, dim)), jnp.float32)
+  given_bias = jnp.asarray(rng.normal(size=(vocab,)), jnp.float32)
+  fixed_ids = jnp.asarray(rng.integers(-1, vocab, size=(tokens, 3)), jnp.int32)
+  fixed_values = jnp.asarray(rng.normal(size=(tokens, 3)), jnp.float32)
+  args = (hidden, table, bias, scale, given, given_bias, fixed_ids, fixed_values)
+  plan = TilePlan(block_v=block_v, block_t=8, token_chunk=16, vmem_limit_bytes=64 * MIB)
+  want = _float64_backward(*args)
+  with tiling.target_chip("v5p"):  # two TensorCores per device: the sweep is split
+    geom = tpu._geometry(plan, hidden, table, "backward")  # pylint: disable=protected-access
+    assert geom.cores == (2 if -(-vocab // block_v) > 1 else 1), geom
+    one_pass = jax.jit(lambda *a: tpu.forward_backward(*a, plan=plan, with_counts=True))(*args)
+    grads = jax.jit(lambda *a: tpu.backward(*a, plan=plan))(*args)
+  dense_sum, counts, *got = one_pass
+  np.testing.assert_allclose(dense_sum, want[0], rtol=1e-5)
+  np.testing.assert_array_equal(counts, want[1])
+  for name, a, b, w in zip(("dh", "dE", "db"), got, grads, want[2:]):
+    assert np.all(np.isfinite(a)), name
+    for value in (a, b):  # the one-pass kernel and the gradient-only one
+      np.testing.assert_allclose(value, w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_megacore_loss_and_softmax_gradients_match_one_core():
+  raw = make_inputs((3, 13), 517, 32, num_targets=4, num_exclude=5, seed=6)
+  args = {k: jnp.asarray(v, jnp.float32) if v.dtype == np.float64 else jnp.asarray(v)
+          for k, v in raw.items()}
+  expected = float64_loss(raw["hidden"], raw["table"], raw["bias"], raw["targets"],
+                          raw["weights"], raw["exclude"])
+  results = {}
+  for chip in ("v5e", "v5p"):
+    with tiling.target_chip(chip):
+      results[chip] = _loss_and_grads(cutbce.cut_bce, args, backend="pallas_tpu", plan=F32_PLAN)
+      results[chip, "softmax"] = jax.jit(jax.value_and_grad(
+          lambda h, e, b: cutbce.cut_softmax_ce(h, e, args["targets"], args["weights"], bias=b,
+                                                exclude=args["exclude"], backend="pallas_tpu",
+                                                plan=F32_PLAN), argnums=(0, 1, 2)))(
+              args["hidden"], args["table"], args["bias"])
+  np.testing.assert_allclose(results["v5p"][0], expected, rtol=2e-5)
+  np.testing.assert_allclose(np.array(results["v5p"][1]), np.array(results["v5e"][1]))
+  for got, want in zip(results["v5p"][2] + results["v5p", "softmax"][1],
+                       results["v5e"][2] + results["v5e", "softmax"][1]):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(results["v5p", "softmax"][0], results["v5e", "softmax"][0],
+                             rtol=1e-6)
