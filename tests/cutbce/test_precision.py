@@ -45,6 +45,7 @@ PLANS = {
     "pallas_tpu": TilePlan(block_v=128, block_t=16, token_chunk=16,
                            vmem_limit_bytes=64 * 1024 * 1024),
     "pallas_triton": TilePlan(block_v=64, block_t=16),
+    "pallas_gpu": TilePlan(block_v=64, block_t=64),
 }
 # The cut ops round each logit-gradient tile to the input dtype for its two
 # GEMMs (as an MXU takes it), a rounding the dense reference (float32
@@ -176,8 +177,8 @@ DTYPE_IDS = ["f32", "bf16"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("route", ["xla", "xla-two-pass", "pallas_tpu",
-                                   "pallas_triton", "sharded"])
+@pytest.mark.parametrize("route", ["xla", "xla-two-pass", "pallas_tpu", "pallas_triton",
+                                   "pallas_gpu", "pallas_gpu-two-pass", "sharded"])
 def test_bce_confident_targets_as_accurate_as_dense(route, dtype):
   if route == "sharded":
     fn = functools.partial(sharded_cut_bce, mesh=_mesh(), token_axes=("data",),

@@ -1,0 +1,200 @@
+"""Mosaic GPU kernels (`backend="pallas_gpu"`): numerics in Pallas' Mosaic GPU interpreter.
+
+Off a GPU the kernels run in the interpreter (jax 0.10.2 and 0.12), with the
+few primitives it lacks replaced by their exact meaning (`mosaic_ops`).
+Shapes divide no tile: T = 39 tokens (one 64-row tile, padded), D = 24
+(padded to 64), V = 1003 rows of which 1000 are items, walked in 64-row
+tiles over several vocab splits whose pipelines wrap their buffers more than
+once, so slots, refills and masks are all exercised. References: the float64
+NumPy oracle (`np_reference`) and `cutbce.dense_bce` in the same dtype.
+Confident targets against float64 are in tests/cutbce/test_precision.py;
+the kernels compiled for H100 / H200 in test_mosaic_compile.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cutbce
+from cutbce.kernels.gpu import mosaic, mosaic_ops, mosaic_plan, targets
+from cutbce.kernels.gpu import plan as gpu_plan
+from cutbce.kernels.tiling import TilePlan
+from tests.cutbce import cases, np_reference
+
+PLAN = TilePlan(block_v=64, block_t=64)
+CASE = cases.Case((3, 13), 1003, 24, 4, 5, 64)
+NUM_ITEMS = 1000
+
+
+def _jnp(raw, dtype):
+  return {k: (jnp.asarray(v, dtype) if k in ("hidden", "table", "bias") else jnp.asarray(v))
+          for k, v in raw.items()}
+
+
+def _run(fn, args, **kwargs):
+  """(value, stats, (dh, dE, db)) of jit(value_and_grad), and the jaxpr's text."""
+  def loss(hidden, table, bias):
+    return fn(hidden, table, args["targets"], args["weights"], bias=bias,
+              exclude=args["exclude"], return_stats=True, **kwargs)
+
+  grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  (value, stats), grads = grad_fn(args["hidden"], args["table"], args["bias"])
+  jaxpr = str(jax.make_jaxpr(grad_fn)(args["hidden"], args["table"], args["bias"]))
+  return value, stats, grads, jaxpr
+
+
+def _assert_grads(grads, want, rtol, atol_fraction):
+  for got, ref in zip(grads, want):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, ref, rtol=rtol, atol=atol_fraction * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
+def test_float32_matches_float64_and_runs_the_mosaic_kernels(one_pass):
+  raw = cases.make_case(CASE, seed=0, logit_scale=2.0)
+  kwargs = dict(num_items=NUM_ITEMS, vocab_reduction="sum")
+  value, stats, grads, jaxpr = _run(cutbce.cut_bce, _jnp(raw, jnp.float32),
+                                    backend="pallas_gpu", plan=PLAN, one_pass=one_pass, **kwargs)
+  want, want_grads, want_stats = np_reference.bce(
+      raw["hidden"], raw["table"], raw["targets"], raw["weights"], bias=raw["bias"],
+      exclude=raw["exclude"], **kwargs)
+  # float32 on three bfloat16 pieces, six products: float32's precision.
+  np.testing.assert_allclose(float(value), want, rtol=1e-6)
+  _assert_grads(grads, [want_grads[k] for k in ("hidden", "table", "bias")], 1e-4, 1e-6)
+  assert not np.any(np.asarray(grads[1])[NUM_ITEMS:]) and not np.any(np.asarray(grads[2])[NUM_ITEMS:])
+  np.testing.assert_allclose(np.array(stats), np.array(want_stats), rtol=1e-6)
+  # The Mosaic kernels ran (not the Triton ones it delegates to).
+  assert "cutbce_mosaic_sweep" in jaxpr and "cutbce_mosaic_table_grad" in jaxpr
+  assert "cutbce_gpu_" not in jaxpr
+
+
+def test_bfloat16_matches_dense_bfloat16():
+  raw = cases.make_case(CASE, seed=1, logit_scale=2.0)
+  args = _jnp(raw, jnp.bfloat16)
+  kwargs = dict(num_items=NUM_ITEMS)
+  value, stats, grads, _ = _run(cutbce.cut_bce, args, backend="pallas_gpu", plan=PLAN, **kwargs)
+  dense_value, dense_stats, dense_grads, _ = _run(cutbce.dense_bce, args, **kwargs)
+  np.testing.assert_allclose(float(value), float(dense_value), rtol=2e-3)
+  _assert_grads(grads, dense_grads, 3e-2, 2e-2)
+  # Counts of x > 0: logits near 0 may round either way in bfloat16.
+  np.testing.assert_allclose(np.array(stats), np.array(dense_stats), rtol=5e-3, atol=2)
+
+
+def test_planned_tiles_small_catalog_and_no_bias():
+  """The planner's own tiles (bf16 D = 24: 128-row sweep tiles), V smaller than one tile."""
+  raw = cases.make_case(cases.Case((2, 40), 100, 24, 3, 0, 64), seed=2, logit_scale=3.0)
+  args = _jnp(raw, jnp.float32)
+  loss = lambda h, e: cutbce.cut_bce(h, e, args["targets"], args["weights"],  # noqa: E731
+                                     backend="pallas_gpu", vocab_reduction="sum")
+  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(args["hidden"], args["table"])
+  want, want_grads, _ = np_reference.bce(raw["hidden"], raw["table"], raw["targets"],
+                                         raw["weights"], vocab_reduction="sum")
+  np.testing.assert_allclose(float(value), want, rtol=1e-6)
+  _assert_grads(grads, [want_grads["hidden"], want_grads["table"]], 1e-4, 1e-6)
+
+
+@pytest.fixture
+def six_sm_gpu(monkeypatch):
+  """Plans for a GPU of six SMs: 6 token tiles get two vocab splits, each longer than the pipeline."""
+  small = targets.GpuSpec(**{**targets.spec("h100").__dict__, "core_count": 6})
+  monkeypatch.setattr(gpu_plan, "current_spec", lambda: small)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_pipelines_wrap_their_buffers(six_sm_gpu, reduction):
+  """T = 327 (6 token tiles) and 16 vocab tiles in 2 splits: both kernels refill every slot."""
+  del six_sm_gpu
+  raw = cases.make_case(cases.Case((3, 109), 1003, 24, 2, 1, 64), seed=3, logit_scale=2.0)
+  args = _jnp(raw, jnp.float32)
+  geom = mosaic_plan.geometry(327, NUM_ITEMS, NUM_ITEMS, 24, 3, 3, PLAN)
+  assert geom.vocab_splits == 2 and geom.tiles_per_split > geom.stages, geom
+  assert geom.num_token_tiles > geom.table_stages, geom
+
+  def loss(backend, hidden, table, bias):
+    return jnp.sum(cutbce.cut_bce(hidden, table, args["targets"], args["weights"], bias=bias,
+                                  exclude=args["exclude"], reduction=reduction,
+                                  num_items=NUM_ITEMS, backend=backend,
+                                  plan=PLAN if backend == "pallas_gpu" else None))
+
+  got, got_grads = jax.value_and_grad(lambda *a: loss("pallas_gpu", *a), argnums=(0, 1, 2))(
+      args["hidden"], args["table"], args["bias"])
+  want, want_grads = jax.value_and_grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2))(
+      args["hidden"], args["table"], args["bias"])
+  np.testing.assert_allclose(float(got), float(want), rtol=2e-6)
+  _assert_grads(got_grads, want_grads, 1e-4, 1e-6)
+
+
+def test_variants_it_does_not_take_go_to_the_triton_kernels():
+  raw = cases.make_case(CASE, seed=4, logit_scale=2.0)
+  args = _jnp(raw, jnp.float32)
+  kwargs = dict(num_items=NUM_ITEMS, logit_soft_cap=20.0, focal_gamma=2.0)
+  value, _, grads, jaxpr = _run(cutbce.cut_bce, args, backend="pallas_gpu", plan=PLAN, **kwargs)
+  want, _, want_grads, _ = _run(cutbce.cut_bce, args, backend="xla", **kwargs)
+  assert "cutbce_gpu_dh" in jaxpr and "cutbce_mosaic" not in jaxpr
+  np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
+  _assert_grads(grads, want_grads, 1e-4, 1e-6)
+
+
+def test_affine_variants_run_on_the_mosaic_kernels():
+  raw = cases.make_case(CASE, seed=5, logit_scale=2.0)
+  args = _jnp(raw, jnp.float32)
+  kwargs = dict(num_items=NUM_ITEMS, pos_weight=3.0, label_smoothing=0.1)
+  value, stats, grads, jaxpr = _run(cutbce.cut_bce, args, backend="pallas_gpu", plan=PLAN,
+                                    **kwargs)
+  want, want_stats, want_grads, _ = _run(cutbce.cut_bce, args, backend="xla", **kwargs)
+  assert "cutbce_mosaic_sweep" in jaxpr
+  np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
+  _assert_grads(grads, want_grads, 1e-4, 1e-6)
+  np.testing.assert_allclose(np.array(stats), np.array(want_stats), rtol=1e-6)
+
+
+def test_split_pieces_reach_float32_precision():
+  x = jnp.asarray(np.random.default_rng(0).normal(size=4096) * 10.0 ** np.arange(-20, 20, 10 / 1024)[:4096],
+                  jnp.float32)
+  pieces = mosaic_ops.split_pieces(x, 3)
+  assert all(p.dtype == jnp.bfloat16 for p in pieces)
+  total = sum(np.asarray(p, np.float64) for p in pieces)
+  np.testing.assert_allclose(total, np.asarray(x, np.float64), rtol=2.0 ** -23, atol=0)
+  # Two pieces are not enough: ~2^-16.
+  two = sum(np.asarray(p, np.float64) for p in mosaic_ops.split_pieces(x, 2))
+  assert np.max(np.abs(two - np.asarray(x, np.float64)) / np.abs(np.asarray(x))) > 2.0 ** -20
+
+
+def test_planner_fits_shared_memory_and_registers_on_hopper():
+  spec = targets.spec("h100")
+  budget = mosaic_plan.SHARED_MEMORY_FRACTION * spec.shared_memory_per_block_optin
+  for dim in (24, 64, 128, 256):
+    for pieces in (1, 3):
+      try:
+        geom = mosaic_plan.geometry(2048, 1_000_000, 1_000_000, dim, pieces, 9, spec=spec)
+      except ValueError as error:
+        assert pieces == 3 and dim == 256, error  # f32 at D = 256 does not fit one CTA
+        continue
+      assert mosaic_plan.sweep_shared_bytes(geom.block_v, geom.dim_padded, pieces, 9,
+                                            geom.stages) <= budget
+      assert mosaic_plan.table_shared_bytes(geom.dim_padded, pieces, 9,
+                                            geom.table_stages) <= budget
+      assert mosaic_plan.sweep_registers(geom.block_v, geom.dim_padded, pieces) <= (
+          mosaic_plan.REGISTER_VALUES)
+      assert geom.vocab_padded % geom.block_v == 0 and geom.tokens_padded % 64 == 0
+      assert geom.vocab_splits * geom.num_token_tiles >= spec.core_count, geom
+  # bf16 at D = 64: 128-row tiles, the deepest pipeline.
+  geom = mosaic_plan.geometry(2048, 1 << 20, 1 << 20, 64, 1, 0, spec=spec)
+  assert (geom.block_v, geom.stages) == (128, mosaic_plan.MAX_STAGES)
+
+
+def test_bad_plans_and_shapes_are_refused_with_the_reason():
+  targets_ = jnp.zeros((4, 1), jnp.int32)
+  with pytest.raises(NotImplementedError, match="block_t=16"):
+    cutbce.cut_bce(jnp.ones((4, 8)), jnp.ones((10, 8)), targets_, backend="pallas_gpu",
+                   plan=TilePlan(block_v=64, block_t=16))
+  with pytest.raises(NotImplementedError, match="D <= 256"):
+    cutbce.cut_bce(jnp.ones((4, 300)), jnp.ones((10, 300)), targets_, backend="pallas_gpu")
+  with pytest.raises(NotImplementedError, match="float32 or bfloat16"):
+    cutbce.cut_bce(jnp.ones((4, 8), jnp.float16), jnp.ones((10, 8), jnp.float16), targets_,
+                   backend="pallas_gpu")
+  assert mosaic.unsupported_reason(4, 10, 8, jnp.float32, jnp.float32) is None
