@@ -1,0 +1,120 @@
+"""The Mosaic GPU kernels compiled for H100 / H200 with no GPU attached: what the PTX says.
+
+`compile_loss` compiles `value_and_grad(cut_bce)` with `backend="pallas_gpu"`
+for one GPU of a target (XLA:GPU and Mosaic GPU, ptxas for sm_90a);
+`cutbce.kernels.gpu.ptx` reads each kernel's PTX and ptxas report. At two
+shapes per dtype the checks are the ones a fast fused kernel must pass:
+
+- tensor cores: the dots are `wgmma` on bfloat16 operands (float32 inputs as
+  bfloat16 pieces, never TF32 and never FMA loops), float32 accumulators;
+- each logit made once per tile: the sweep issues exactly one logit dot and
+  one dh dot per tile, the table kernel one logit dot and one dE dot;
+- at most 2 special-function (MUFU) instructions per logit: one ex2 and one
+  rcp (softplus' log is a polynomial, sigmoid shares the exponential);
+- registers within 255 and spills small (`MAX_SPILL_BYTES`: ptxas takes all
+  255 registers and spills a little, more for float32's six products);
+- no buffer of T x V elements in the compiled program.
+
+Needs jax's CUDA plugin and ptxas (`make test-gpu`); skipped with one line
+without them. Numerics are checked in the interpreter (test_mosaic.py).
+"""
+
+import os
+
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import re  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from cutbce.kernels.gpu import compiled as gpu_compiled  # noqa: E402
+from cutbce.kernels.gpu import mosaic_ops, ptx, targets  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not targets.cuda_plugin_available(),
+                                reason="jax's CUDA plugin missing: make test-gpu")
+
+# ptxas gives every kernel 255 registers and, depending on how it schedules
+# the unrolled elementwise work, spills from 0 B (bfloat16 at D = 64) to
+# 704 B (bfloat16 at D = 128 with 8 fixed columns; float32 480-704 B):
+# kept within these bounds until a GPU run says whether it
+# matters (docs/kernels.md, "Mosaic GPU kernels").
+MAX_SPILL_BYTES = {"bfloat16": 768, "float32": 768}
+
+# (target, T, V, D, dtype, L, bias, exclude, num_items)
+CASES = [
+    ("h200", 2048, 131_072, 64, "bfloat16", 4, True, 2, None),
+    ("h100", 4103, 300_007, 128, "bfloat16", 8, False, 0, 299_999),
+    ("h200", 2048, 131_072, 64, "float32", 1, True, 0, None),
+    ("h100", 1031, 50_001, 50, "float32", 4, False, 3, 50_000),
+]
+
+
+def _compile(case, reduction="mean"):
+  target, tokens, vocab, dim, dtype, num_targets, bias, exclude, num_items = case
+  return ptx.compile_with_reports(lambda: gpu_compiled.compile_loss(
+      target, "pallas_gpu", tokens=tokens, vocab=vocab, dim=dim, dtype=jnp.dtype(dtype),
+      num_targets=num_targets, bias=bias, num_exclude=exclude, num_items=num_items,
+      reduction=reduction))
+
+
+def _largest_buffer(hlo_text: str) -> int:
+  sizes = [int(np.prod([int(d) for d in m.group(1).split(",")]))
+           for m in re.finditer(r"\b(?:f32|bf16|s32|pred)\[([\d,]+)\]", hlo_text)]
+  return max(sizes)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-T{c[1]}-V{c[2]}-D{c[3]}-{c[4]}")
+def test_tensor_cores_one_logit_per_tile_two_mufu_per_logit(case):
+  _, tokens, vocab, dim, dtype, *_ = case
+  compiled, reports = _compile(case)
+  sweep = [r for name, r in reports.items() if name.startswith("cutbce_mosaic_sweep_loss_dh")]
+  table = [r for name, r in reports.items() if name.startswith("cutbce_mosaic_table_grad")]
+  assert len(sweep) == 1 and len(table) == 1, sorted(reports)
+  sweep, table = sweep[0], table[0]
+  block_v = int(re.search(r"_bv(\d+)_", sweep.name).group(1))
+  dim_padded = -(-dim // 64) * 64
+  products = len(mosaic_ops.PRODUCTS[3 if dtype == "float32" else 1])
+  for report in (sweep, table):
+    # Tensor cores only, on bfloat16 operands, float32 accumulation.
+    assert report.wgmma and all(k.endswith(".f32.bf16.bf16") for k in report.wgmma), report
+    assert report.registers <= 255
+    assert report.spill_bytes <= MAX_SPILL_BYTES[dtype], report
+  # One logit dot ([64, block_v], K = Dp) and one dh dot ([64, Dp], K = block_v) per tile.
+  assert sweep.wgmma_count() == products * (dim_padded // 16 + block_v // 16), sweep
+  assert sweep.wgmma_count(f"m64n{block_v}k16") >= products * dim_padded // 16, sweep
+  # The table kernel: one logit dot ([64, 64], K = Dp) and one dE dot ([64, Dp], K = 64).
+  assert table.wgmma_count() == products * (dim_padded // 16 + 64 // 16), table
+  # MUFU per logit: the PTX of one tile, over the logits one thread holds.
+  for report, logits_per_thread in ((sweep, 64 * block_v // 128), (table, 64 * 64 // 128)):
+    assert report.mufu_count / logits_per_thread <= 2, report
+    assert set(report.mufu) <= {"ex2", "rcp"}, report
+  assert _largest_buffer(compiled.as_text()) <= max(tokens * vocab // 8, 2 * vocab * dim), case
+
+
+def test_two_passes_compile_a_forward_only_sweep():
+  _, reports = _compile(("h200", 1024, 65_536, 64, "bfloat16", 2, True, 0, None),
+                        reduction="none")
+  names = sorted(re.sub(r"_bv\d+_s\d+$|_s\d+$", "", name) for name in reports)
+  assert names == ["cutbce_mosaic_sweep_dh", "cutbce_mosaic_sweep_loss",
+                   "cutbce_mosaic_table_grad"], names
+  forward = next(r for n, r in reports.items() if n.startswith("cutbce_mosaic_sweep_loss"))
+  # The loss alone: one logit dot per tile, one exp and one reciprocal per logit.
+  block_v = int(re.search(r"_bv(\d+)_", forward.name).group(1))
+  assert forward.wgmma_count() == 64 // 16, forward
+  assert forward.mufu_count / (64 * block_v // 128) <= 2, forward
+  assert forward.spill_bytes <= MAX_SPILL_BYTES["bfloat16"], forward
+
+
+def test_temp_memory_is_flat_in_vocab():
+  shapes = dict(tokens=2048, dim=64, dtype=jnp.bfloat16, num_targets=4)
+  temp = {}
+  for vocab in (131_072, 1_048_576):
+    compiled = gpu_compiled.compile_loss("h200", "pallas_gpu", vocab=vocab, **shapes)
+    temp[vocab] = compiled.memory_analysis().temp_size_in_bytes
+  # What grows with V is the float32 [V, D] table gradient (and its dense
+  # part before the sparse one is added): 2 x 4 V D bytes at most.
+  rest = {vocab: temp[vocab] - 2 * 4 * vocab * 64 for vocab in temp}
+  assert rest[1_048_576] - rest[131_072] <= 1 << 20, temp
+  assert temp[131_072] < 4 * 2048 * 131_072 / 16, temp  # far below one f32 logit array
