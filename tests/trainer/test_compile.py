@@ -51,6 +51,26 @@ def test_steps_that_fit_print_the_table_and_a_json_line():
   assert train["margin_bytes"] == train["hbm_bytes"] - train["peak_bytes"]
   assert lines[0].split()[:4] == ["step", "args", "GiB", "temp"]
   assert "not a timing" in result.stdout
+  # Each step's Pallas kernels with the plan chosen for v6e and the compiler's VMEM.
+  [kernel] = [k for k in train["kernels"] if k["kernel"] == "backward"]
+  assert kernel["block_v"] in (256, 300) and kernel["cores"] == 1, kernel  # V = 300: one tile
+  assert 0 < kernel["used_bytes"] <= kernel["limit_bytes"], kernel
+  plan_lines = [line for line in lines if line.startswith("train ") and "tiles" in line]
+  assert plan_lines and "VMEM used" in plan_lines[0] and "planned" in plan_lines[0], lines
+
+
+def test_plan_lines_show_tiles_chunks_cores_and_both_vmem_figures():
+  from trainer.commands import compile as compile_command  # pylint: disable=import-outside-toplevel
+  kernel = {"name": "cutbce_backward_bt256_bv4096_chunk2048_cores2", "kernel": "backward",
+            "block_t": 256, "block_v": 4096, "token_chunk": 2048, "cores": 2, "calls": 2,
+            "dtype": "bf16", "tokens": 4096, "dim": 128, "limit_bytes": 48 * 2**20,
+            "used_bytes": 26 * 2**20}
+  text = compile_command.format_plans([{"step": "train", "kernels": [kernel]}])
+  line = text.splitlines()[1]
+  assert line.startswith("train    backward"), line
+  assert "tiles 256 x 4096, 2 chunk(s) of 2048, 2 core(s)" in line, line
+  assert "VMEM used 26.0 MiB" in line and "limit 48.0 MiB" in line, line
+  assert compile_command.format_plans([{"step": "eval"}]) == ""
 
 
 @pytest.mark.skipif(NO_LIBTPU, reason="libtpu missing: pip install 'cutbce[tpu]'")

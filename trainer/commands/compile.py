@@ -108,6 +108,7 @@ def compile_step(name: str, jitted, args, *, devices, hbm_bytes: int) -> dict[st
           "temp_bytes": int(memory.temp_size_in_bytes), "peak_bytes": peak,
           "hbm_bytes": hbm_bytes, "margin_bytes": hbm_bytes - peak,
           "compile_s": round(seconds, 1), "mosaic_kernels": len(compiler.mosaic_kernels(compiled)),
+          "kernels": compiler.kernel_plans(compiled),
           **{f"compiler_{k}": v for k, v in _cost(compiled).items()}}
 
 
@@ -206,6 +207,43 @@ def format_table(results: list[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
+_MIB = 1024**2
+
+
+def format_plans(results: list[dict[str, Any]]) -> str:
+  """Per step, each Pallas kernel's plan beside the VMEM the compiler gave it.
+
+  The plan is the one the kernel chose for the chip compiled for (its tiles,
+  token chunks, and TensorCores where the backward's sweep is split on a
+  megacore chip); "VMEM used" is the compiler's scoped VMEM for the kernel,
+  "planned" the planner's estimate of the same plan, "limit" the
+  `vmem_limit_bytes` the kernel was compiled with.
+  """
+  from cutbce.kernels import tiling  # pylint: disable=import-outside-toplevel
+  lines = []
+  for r in results:
+    for k in r.get("kernels", []):
+      chunk = min(k["token_chunk"], k["tokens"] or k["token_chunk"])
+      chunks = -(-(k["tokens"] or chunk) // chunk)
+      kind = {"rank_logits": "ranks", "softmax_forward": "forward",
+              "softmax_backward": "backward"}.get(k["kernel"], k["kernel"])
+      planned = None
+      if k["dim"] and k["dtype"] in ("bf16", "f32") and kind in tiling.KERNELS:
+        planned = tiling.vmem_estimate(
+            kind, token_chunk=chunk, block_t=k["block_t"], block_v=k["block_v"], dim=k["dim"],
+            itemsize=2 if k["dtype"] == "bf16" else 4, num_targets=8)
+      mib = lambda b: "-" if b is None else f"{b / _MIB:.1f}"  # noqa: E731
+      lines.append(
+          f"{r['step']:<8} {k['kernel']:<17} tiles {k['block_t']} x {k['block_v']}, "
+          f"{chunks} chunk(s) of {chunk}, {k['cores']} core(s); VMEM used "
+          f"{mib(k['used_bytes'])} MiB, planned {mib(planned)} MiB, limit "
+          f"{mib(k['limit_bytes'])} MiB")
+  if lines:
+    lines.insert(0, "Pallas kernels per step (the plan each chose for this chip; VMEM: the "
+                    "compiler's figure, the planner's estimate, the limit):")
+  return "\n".join(lines)
+
+
 def does_not_fit_lines(results: list[dict[str, Any]], topology: str) -> list[str]:
   out = []
   for r in results:
@@ -273,6 +311,9 @@ def main(argv) -> None:
   except schema.ConfigError as error:
     cli.bad_config(error)
   print(format_table(summary["steps"]))
+  plans = format_plans(summary["steps"])
+  if plans:
+    print(plans)
   for line in does_not_fit_lines(summary["steps"], _FLAGS["topology"].value):
     print(line)
   print(json.dumps(summary))
