@@ -120,7 +120,9 @@ def test_no_module_imports_in_a_circle():
     ("cutbce", ()),
     ("cutbce.kernels", ("cutbce.variants",)),
     # data: only paths and the generic description of settings (its command's flags)
-    ("trainer.data", ("trainer.workdir.paths", "trainer.config.schema")),
+    # (and what an output folder may hold: trainer.workdir.outputs)
+    ("trainer.data", ("trainer.workdir.paths", "trainer.workdir.outputs",
+                      "trainer.config.schema")),
     # settings: backend names, paths and the data sources' options
     ("trainer.config", ("cutbce", "trainer.workdir.paths", "trainer.data")),
     # the workdir's guards: only the settings' one-line error

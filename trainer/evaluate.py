@@ -17,6 +17,7 @@ The command line (`python -m trainer.evaluate`) is
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Callable, Iterable
 
@@ -58,26 +59,54 @@ def jit_eval_step(graphdef, settings: train_lib.StepSettings, param_shardings, *
   )
 
 
-def combine(batch_metrics: Iterable[dict]) -> dict[str, float]:
-  """Averages per-batch `rank_metrics` weighted by their `num_rows`."""
-  totals: dict[str, float] = {}
-  rows = 0.0
-  for metrics in batch_metrics:
+class _Totals:
+  """Running sums of per-batch `rank_metrics`, each weighted by its `num_rows`."""
+
+  def __init__(self):
+    self.sums: dict[str, float] = {}
+    self.rows = 0.0
+
+  def add(self, metrics: dict) -> None:
+    """Adds one batch's metrics (waits for them if still on the device)."""
     metrics = jax.device_get(metrics)
     count = float(metrics["num_rows"])
-    rows += count
+    self.rows += count
     for name, value in metrics.items():
       if name != "num_rows":
-        totals[name] = totals.get(name, 0.0) + float(value) * count
-  result = {name: (total / rows if rows else 0.0) for name, total in totals.items()}
-  result["num_users"] = rows
-  return result
+        self.sums[name] = self.sums.get(name, 0.0) + float(value) * count
+
+  def result(self) -> dict[str, float]:
+    result = {name: (total / self.rows if self.rows else 0.0)
+              for name, total in self.sums.items()}
+    result["num_users"] = self.rows
+    return result
+
+
+def combine(batch_metrics: Iterable[dict]) -> dict[str, float]:
+  """Averages per-batch `rank_metrics` weighted by their `num_rows`."""
+  totals = _Totals()
+  for metrics in batch_metrics:
+    totals.add(metrics)
+  return totals.result()
+
+
+# Evaluation steps queued on the devices at most. Each step of a sharded run
+# holds collectives (the psum of the ranks over the vocab axis); hundreds of
+# them queued at once on a loaded machine let XLA's CPU rendezvous time out
+# ("only 6 of 8 arrived") and abort the process (issue 41). Two keep the
+# devices busy while the host prepares the next batch.
+MAX_IN_FLIGHT = 2
 
 
 def evaluate(step_fn: Callable, params, batches: Iterable[dict], to_global: Callable,
              max_batches: int | None = None,
-             progress: Callable[[int], None] | None = None) -> dict[str, float]:
+             progress: Callable[[int], None] | None = None,
+             in_flight: int = MAX_IN_FLIGHT) -> dict[str, float]:
   """Runs `step_fn` over the (per-process) batches and combines the metrics.
+
+  At most `in_flight` steps are queued on the devices: before queuing
+  another, the host waits for the oldest and adds its metrics, so a run of
+  many small batches never piles up collectives (`MAX_IN_FLIGHT`).
 
   Args:
     step_fn: from `jit_eval_step`.
@@ -86,19 +115,25 @@ def evaluate(step_fn: Callable, params, batches: Iterable[dict], to_global: Call
     to_global: per-process batch -> dict of global arrays.
     max_batches: stop after this many batches (None = all).
     progress: called with the number of batches done after each one.
+    in_flight: steps queued on the devices at most (>= 1).
 
   Returns:
     dict: "recall@k", "ndcg@k", "hit@k" per k, "mrr", and "num_users".
   """
-  results = []
+  totals, pending = _Totals(), collections.deque()
   for index, batch in enumerate(batches):
     if max_batches is not None and index >= max_batches:
       break
     batch = {key: batch[key] for key in ("inputs", "targets", "exclude", "weights")}
-    results.append(step_fn(params, to_global(batch)))
+    batch = to_global(batch)  # made while the queued steps run
+    while len(pending) >= max(in_flight, 1):  # wait for the oldest before queuing another
+      totals.add(pending.popleft())
+    pending.append(step_fn(params, batch))
     if progress is not None:
       progress(index + 1)
-  return combine(results)
+  while pending:
+    totals.add(pending.popleft())
+  return totals.result()
 
 
 def eval_batches(data, split: str, *, seq_len: int, global_batch_size: int,

@@ -35,7 +35,8 @@ import orbax.checkpoint as ocp
 
 from trainer import data as data_lib, evaluate, model as model_lib, sampled, train as train_lib
 from trainer.workdir import checkpoint, fingerprint, lock as workdir_lock, logs, paths
-from trainer.config import keys as config_keys, mesh as config_mesh, saved as saved_config, schema
+from trainer.config import budget, keys as config_keys, mesh as config_mesh, saved as saved_config
+from trainer.config import schema
 from trainer.data import ids as data_ids, prepare as prepare_lib
 
 
@@ -87,9 +88,12 @@ def prepare_data(config, workdir: str | os.PathLike) -> data_lib.PreparedDataset
           from error
     if stale:
       logs.say(f"preparing {config.data.dataset} into {folder}")
+      name = ("config.data.prepared_dir" if config.data.prepared_dir is not None
+              else "WORKDIR/data")  # named if the folder holds files of another writer
       summary = data_lib.prepare_dataset(config.data.dataset, folder, **options,
                                          seq_lens=(config.seq_len,),
-                                         memory_limit=config.data.prepare_memory_limit)
+                                         memory_limit=config.data.prepare_memory_limit,
+                                         name=name)
       logs.say(f"prepared {summary['num_users']} users, {summary['num_items']} items, "
                f"{summary['num_interactions']} interactions")
 
@@ -141,6 +145,33 @@ def record_config(config, workdir: str) -> None:
     saved_config.write(workdir, config, process_count=jax.process_count())
 
 
+def check_state_fits(config, num_items: int, vocab_shards: int) -> None:
+  """Refuses, in one line, a state that cannot fit this host's devices (`budget.check_state`).
+
+  Asked of XLA instead, an allocation past the memory can fail on a worker
+  thread while the main thread waits for the state forever (issue 41).
+
+  Raises:
+    schema.ConfigError: names `model.dim`, the bytes needed and the memory.
+  """
+  model = budget.Model.of_config(config.model)
+  shards = math.prod(dict(zip(config.mesh.axis_names, config.mesh.shape))[axis]
+                     for axis in config.mesh.token_axes)
+  activations = budget.step_bytes(model, -(-config.batch_size // shards), config.seq_len,
+                                  training=True)
+  why = budget.check_state(
+      model, num_items=model_lib.padded_vocab_size(num_items, vocab_shards),
+      seq_len=config.seq_len, vocab_shards=vocab_shards,
+      local_devices=jax.local_device_count(), memory=budget.memory_bytes(),
+      activations=activations)
+  if why is not None:
+    raise schema.ConfigError(
+        f"config.model.dim={config.model.dim}: a model whose state fits this host: {why}; "
+        "use a smaller "
+        "model.dim or model.mlp_dim, or split the item table over a vocab axis "
+        "(config.mesh.vocab_axis)")
+
+
 class Trainer:
   """Holds what the loop needs between steps (one run of `train_and_evaluate`)."""
 
@@ -183,10 +214,13 @@ class Trainer:
                              eval_splits=(config.eval.split, "test"))
     resuming = checkpoint.latest_step(self.manager) is not None
     # A resume refuses re-prepared data whose items moved rows (fingerprint.py).
-    data_fingerprint = (fingerprint.check(workdir, self.data.item_ids) if resuming
+    prepared = config_keys.prepared_folder(config.data.prepared_dir, workdir,
+                                           jax.process_index())
+    data_fingerprint = (fingerprint.check(workdir, self.data.item_ids, prepared) if resuming
                         else fingerprint.of(self.data.item_ids))
     num_items = self.data.num_items
     vocab_shards = config_mesh.vocab_shard_count(config)
+    check_state_fits(config, num_items, vocab_shards)  # before anything is allocated
     # Shapes and shardings only: the state is built below, restored or initialised.
     plan = train_lib.plan_sharded_state(config, num_items=num_items, mesh=self.mesh,
                                         vocab_shards=vocab_shards)
@@ -402,7 +436,11 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
   Preemption: `checkpoint.PreemptionNotice` at the top of every step (JAX's
   preemption sync point under `jax.distributed`, a local SIGTERM flag in a
   single process); the state is checked, saved, the save waited for, and
-  the run returns. Saves due every `checkpoint_every` steps come from
+  the run returns. During the final evaluation (no step left to save at), or
+  at a second SIGTERM, the process stops at once (status 143); a SIGTERM that
+  finds the main thread stuck in the runtime ends the process after
+  `preemption.STOP_GRACE_SECONDS` (`trainer/workdir/preemption.py`). Saves due
+  every `checkpoint_every` steps come from
   `manager.should_save(step)` (orbax's FixedIntervalPolicy and
   PreemptionCheckpointingPolicy). The run waits for every pending save before
   a final evaluation reads the best checkpoint back and before it returns or
@@ -470,6 +508,7 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
         newest.check()  # Never evaluate or checkpoint the state of a non-finite step.
         metrics = trainer.run_eval(step, config.eval.split) if evaluate_now else None
         trainer.save(step, metrics)
+    preemption.disarm("the final evaluation")  # no step left to save at: a SIGTERM stops
     final = trainer.final_evaluation(step)
     rows = {f"best {split}": metrics for split, metrics in (final["best"] or {}).items()}
     rows.update({f"last {split}": metrics for split, metrics in final["last"].items()})

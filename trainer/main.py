@@ -64,6 +64,7 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     # Progress goes to stdout; keep the libraries' INFO lines off stderr.
     logging.set_verbosity(logging.WARNING)
+  cli.end_on_thread_failure()  # a worker thread's failure ends the run, never a hang
   import jax  # pylint: disable=import-outside-toplevel
   if _COORDINATOR.value is not None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -90,8 +91,9 @@ def main(argv):
     print(f"checkpoint unreadable: {error}", file=sys.stderr)
     sys.exit(2)
   except workdir_lock.WorkdirError as error:
-    # A workdir that is a file, not writable, or held by a live trainer.
-    print(f"workdir unusable: {error}", file=sys.stderr)
+    # A workdir that is a file, not writable, held by a live trainer, or one of
+    # whose files (config.json, metrics.jsonl, ...) is a folder or damaged.
+    print(f"bad workdir: {error}", file=sys.stderr)
     sys.exit(2)
   except (movielens.RegistryUnavailableError, FileNotFoundError) as error:
     # The dataset cannot be had (no registry and no cache, or missing files):

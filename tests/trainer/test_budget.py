@@ -109,3 +109,60 @@ def test_compile_with_a_batch_of_2_to_the_40_is_one_line():
   assert result.returncode == 2, result.stderr[-2000:]
   assert f"bad config: config.batch_size={2**40}: at most" in result.stderr
   assert "Traceback" not in result.stderr
+
+
+# --------------------------------------------------------------------------- #
+# The state: parameters, gradients, AdamW moments (issue 41, bad cause 1)      #
+# --------------------------------------------------------------------------- #
+
+
+def _main_under(limit_bytes, *overrides, workdir):
+  """`python -m trainer.main` on the smoke config under `ulimit -v` (RLIMIT_AS)."""
+  script = ("import resource, runpy, sys\n"
+            f"resource.setrlimit(resource.RLIMIT_AS, ({limit_bytes}, resource.RLIM_INFINITY))\n"
+            f"sys.argv = ['trainer.main', '--config=configs/smoke.py', '--workdir={workdir}', "
+            f"*{list(overrides)!r}]\n"
+            "runpy.run_module('trainer.main', run_name='__main__')\n")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=180, check=False)
+
+
+@pytest.mark.parametrize("dim", [1_000_000, 8_192])
+def test_a_model_whose_state_cannot_fit_is_one_line_before_any_work(tmp_path, dim):
+  """dim 1,000,000 under an 8 GB limit once hung after preparing the data, SIGTERM ignored."""
+  done = _main_under(8 * GIB, f"--config.model.dim={dim}", "--config.model.num_heads=1",
+                     workdir=tmp_path)
+  assert done.returncode == 2, done.stderr[-3000:]
+  assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
+  assert done.stderr.startswith(
+      f"bad config: config.model.dim={dim}: a model whose state fits this host: the model's "
+      "parameters, gradients and AdamW moments (float32, 16 bytes per parameter) need at "
+      "least "), done.stderr
+  assert "this host's devices hold 8.0 GiB" in done.stderr  # the stated limit, not the RAM
+  assert not (tmp_path / "data").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_the_item_table_is_counted_once_the_catalog_is_known():
+  from trainer import loop  # pylint: disable=import-outside-toplevel
+  config = smoke.get_config()
+  memory = budget.memory_bytes()
+  rows = memory // (16 * config.model.dim * 8)  # 8 devices' copies of the table fill it
+  loop.check_state_fits(config, rows // 4, 1)
+  with pytest.raises(schema.ConfigError, match=(
+      rf"^config\.model\.dim={config.model.dim}: a model whose state fits this host: .* need "
+      rf"at least .* per device x 8 devices \({rows * 2:,} items x {config.model.dim}; .*split "
+      r"the item table over a vocab axis")):
+    loop.check_state_fits(config, rows * 2, 1)
+  assert budget.state_bytes(budget.Model.of_config(config.model), num_items=rows * 2,
+                            seq_len=config.seq_len, vocab_shards=8) < memory // 8
+
+
+def test_the_stated_host_limit_caps_the_memory(monkeypatch):
+  import resource  # pylint: disable=import-outside-toplevel
+  real = resource.getrlimit
+  monkeypatch.setattr(resource, "getrlimit", lambda which: (
+      (3 * GIB, resource.RLIM_INFINITY) if which == resource.RLIMIT_AS else real(which)))
+  assert budget.host_memory_bytes() == min(3 * GIB, os.sysconf("SC_PAGE_SIZE")
+                                           * os.sysconf("SC_PHYS_PAGES"))

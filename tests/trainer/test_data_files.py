@@ -395,12 +395,12 @@ def test_cli_prepares_files(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change,start", [
-    ({"--user-col": "user"}, "error: "),
+    ({"--user-col": "user"}, "bad data: "),
     ({"--time-col": "uid"}, "bad config: --time-col='uid': another column than --user-col "
      "(both name 'uid')"),
     ({"--item-col": "uid"}, "bad config: --item-col='uid': another column than --user-col "
      "(both name 'uid'): users, items and times are three columns"),
-    ({"--time-col": "time", "--path": "DUP"}, "error: "),
+    ({"--time-col": "time", "--path": "DUP"}, "bad data: "),
     ({"--path": "NOWHERE/*.csv"}, "bad config: --path="),
     ({"--filter": "ratio=5"}, "bad config: --filter='ratio=5': '=' is not part of a condition; "
      "expected '<column> <op> <value>'"),
@@ -420,9 +420,9 @@ def test_cli_bad_files_exit_2_with_one_line(change, start, tmp_path, capsys):
   assert cli.main(argv) == 2
   err = capsys.readouterr().err
   assert err.startswith(start) and err.count("\n") == 1, err
-  if start == "error: " and "--user-col" in change:
+  if start == "bad data: " and "--user-col" in change:
     assert "lacks columns ['user']" in err and str(tmp_path / "d.csv") in err
-  elif start == "error: ":
+  elif start == "bad data: ":
     assert f"{tmp_path / 'dup.csv'} has duplicate column names ('time' 2 times" in err, err
   assert not (tmp_path / "out" / "manifest.json").exists()
 

@@ -66,3 +66,42 @@ def test_numpy_ranks_by_hand():
 def test_format_table():
   table = evaluate.format_table({"test": {"recall@10": 0.5, "mrr": 0.25, "num_users": 3}})
   assert "recall@10" in table and "0.5000" in table and "test" in table
+
+
+class _OnDevice:
+  """A metric value that counts as on the device until the host reads it."""
+
+  def __init__(self, value, ledger):
+    self.value, self.ledger = value, ledger
+    ledger["queued"] += 1
+    ledger["most"] = max(ledger["most"], ledger["queued"])
+
+  def __array__(self, dtype=None, copy=None):
+    if not getattr(self, "read", False):
+      self.read = True
+      self.ledger["queued"] -= 1
+    return np.asarray(self.value, dtype=dtype)
+
+
+@pytest.mark.parametrize("num_batches,in_flight", [(625, 2), (79, 1), (3, 4)])
+def test_evaluation_keeps_a_bounded_number_of_steps_in_flight(num_batches, in_flight):
+  """Issue 41: 625 small batches were all queued before one was read; XLA's CPU
+  rendezvous timed out and aborted the process. Never more than `in_flight` now."""
+  ledger = {"queued": 0, "most": 0}
+  rng = np.random.default_rng(num_batches)
+  values = [(float(rng.random()), float(rng.integers(1, 9))) for _ in range(num_batches)]
+
+  def step_fn(params, batch):
+    del params
+    ndcg, rows = values[batch["inputs"]]
+    # One value of each step (its weight) counts the step as queued until read.
+    return {"ndcg@10": ndcg, "num_rows": _OnDevice(rows, ledger)}
+
+  batches = ({"inputs": i, "targets": 0, "exclude": 0, "weights": 0}
+             for i in range(num_batches))
+  got = evaluate.evaluate(step_fn, None, batches, lambda batch: batch, in_flight=in_flight)
+  assert ledger["most"] == min(in_flight, num_batches)
+  assert ledger["queued"] == 0
+  want = sum(v * r for v, r in values) / sum(r for _, r in values)
+  np.testing.assert_allclose(got["ndcg@10"], want, rtol=1e-12)
+  assert got["num_users"] == sum(r for _, r in values)

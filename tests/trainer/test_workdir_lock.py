@@ -43,7 +43,7 @@ def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
   result = _main(path)
   assert result.returncode == 2, result.stderr[-2000:]
   assert _lines(result.stderr) == [
-      f"workdir unusable: --workdir={path}: a directory (this path is a file)"]
+      f"bad workdir: --workdir={path}: a directory (this path is a file)"]
 
 
 def test_a_workdir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
@@ -64,7 +64,7 @@ def test_a_read_only_workdir_is_one_line(tmp_path):
     tmp_path.chmod(0o755)
   assert result.returncode == 2
   assert _lines(result.stderr) == [
-      f"workdir unusable: --workdir={tmp_path}: not writable (Permission denied)"]
+      f"bad workdir: --workdir={tmp_path}: not writable (Permission denied)"]
 
 
 def test_a_second_trainer_is_refused_naming_the_holder(tmp_path):
@@ -76,7 +76,7 @@ def test_a_second_trainer_is_refused_naming_the_holder(tmp_path):
   assert result.returncode == 2, result.stderr[-2000:]
   lines = _lines(result.stderr)
   assert len(lines) == 1, lines
-  assert lines[0].startswith(f"workdir unusable: --workdir={tmp_path} is in use by another "
+  assert lines[0].startswith(f"bad workdir: --workdir={tmp_path} is in use by another "
                              f"trainer (pid {os.getpid()} on host {socket.gethostname()}, since ")
   assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "config.json").exists()
   # Released: the same process (or another) takes it again.

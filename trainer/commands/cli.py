@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -27,7 +28,7 @@ from typing import Any, NoReturn
 from absl import app, flags, logging
 
 from trainer import libtpu_env
-from trainer.workdir import logs, paths
+from trainer.workdir import logs, outputs, paths
 from trainer.config import keys as config_keys, schema
 from trainer.config.keys import flag_name
 
@@ -117,31 +118,38 @@ def _make_folder(folder: str, flag: str, path: str) -> None:
                              f"({error.strerror or error})") from None
 
 
-def check_out_file(path: str, flag: str = "--out") -> None:
+def check_out_file(path: str, flag: str = "--out", *, protected: Sequence[str] = ()) -> None:
   """Before any work: `path` can be written as a file (its folder made if needed).
 
   Remote paths (gs://) are not checked. Raises `schema.ConfigError`, one line:
-  a folder at `path`, a parent that is a file, or a folder that cannot be
-  created or written.
+  a folder, device, FIFO, socket or symlink at `path`, one of `protected`
+  (a run's own files, `trainer.workdir.outputs.run_paths`), a parent that is
+  a file, or a folder that cannot be created or written.
   """
+  paths.check_remote(path)
   if paths.is_remote(path):
     return
-  if os.path.isdir(path):
-    raise schema.ConfigError(f"{flag}={path}: a file to write (this path is a folder)")
+  outputs.check_file(path, flag, protected=protected)
   folder = os.path.dirname(os.path.abspath(path))
   _make_folder(folder, flag, path)
   _probe(folder, flag, path)
 
 
-def check_out_folder(path: str, flag: str = "--out") -> None:
+def check_out_folder(path: str, flag: str = "--out", *, format_tag: str | None = None,
+                     protected: Sequence[str] = ()) -> None:
   """Before any work: `path` is (or can be made) a folder this user can write.
 
+  With `format_tag`, also one that is new, empty or an earlier output of
+  that format, and none of `protected` (`trainer.workdir.outputs.check_folder`).
   Remote paths (gs://) are not checked. Raises `schema.ConfigError`, one line.
   """
+  paths.check_remote(path)
   if paths.is_remote(path):
     return
   if os.path.exists(path) and not os.path.isdir(path):
     raise schema.ConfigError(f"{flag}={path}: a folder (this path is a file)")
+  if format_tag is not None:
+    outputs.check_folder(path, flag, format_tag=format_tag, protected=protected)
   _make_folder(path, flag, path)
   _probe(path, flag, path)
 
@@ -163,15 +171,23 @@ def run_command(command: str, body: Callable[[dict[str, Any]], int | None],
   """Parses the flags and runs `body(values)`; returns the exit status.
 
   A `schema.ConfigError` (flags, or a value the run cannot serve) prints
-  `bad config: ...` and a missing data file `data unavailable: ...`, one
-  line each on stderr, status 2.
+  `bad config: ...`, a `WorkdirError` (a file of the run that is a folder or
+  damaged, a `gs://` path without gcsfs) `bad workdir: ...`, unreadable
+  prepared data `bad data: ...` and a missing data file `data unavailable:
+  ...`, one line each on stderr, status 2.
   """
-  from trainer.data import movielens  # pylint: disable=import-outside-toplevel
+  from trainer.data import movielens, sources  # pylint: disable=import-outside-toplevel
   try:
     values = parse(argv, command)
     return body(values) or 0
   except schema.ConfigError as error:
     print(f"bad config: {error}", file=sys.stderr)
+    return 2
+  except paths.WorkdirError as error:  # a file of the run damaged, gs:// without gcsfs
+    print(f"bad workdir: {error}", file=sys.stderr)
+    return 2
+  except sources.DataError as error:  # prepared data that cannot be read
+    print(f"bad data: {error}", file=sys.stderr)
     return 2
   except (FileNotFoundError, movielens.RegistryUnavailableError) as error:
     print(f"data unavailable: {error}", file=sys.stderr)
@@ -188,9 +204,29 @@ def app_main(main: Callable[[list[str]], int]) -> None:
 
   def absl_main(argv):
     logging.set_verbosity(logging.WARNING)  # progress goes to stdout
+    end_on_thread_failure()
     sys.exit(main(argv))
 
   app.run(absl_main, flags_parser=flags_parser)
+
+
+def end_on_thread_failure() -> None:
+  """An exception that no thread catches ends the process with it: one line, status 1.
+
+  Without this, a worker thread's failure (grain's prefetch, orbax's writer,
+  a state built on another thread) is printed as a traceback and the main
+  thread waits forever for what that thread would have made (issue 41).
+  `os._exit`: the main thread may be blocked where it cannot unwind.
+  """
+  def hook(args) -> None:
+    if issubclass(args.exc_type, SystemExit) or sys.is_finalizing():
+      return
+    name = args.thread.name if args.thread is not None else "a thread"
+    message = f"{args.exc_type.__name__}: {args.exc_value}".replace("\n", " ")
+    print(f"error on thread {name}: {message}; stopping", file=sys.stderr, flush=True)
+    os._exit(1)  # pylint: disable=protected-access
+
+  threading.excepthook = hook
 
 
 def bad_config(error: Exception) -> NoReturn:
@@ -205,11 +241,19 @@ def parse_config_flags(argv: list[str]) -> list[str]:
   The flags parser of the commands that take a config file (`trainer.main`,
   `trainer.compile`): unknown override keys, values of the wrong type and a
   missing config file exit with status 2 and `bad config: ...`; other flag
-  errors as absl does; `--help` (absl's usage) exits 0.
+  errors as absl does; `--help` (absl's usage) exits 0. `--config.<key>=None`
+  sets a key whose documented value may be None, and a tuple of names may be
+  written bare (`--config.mesh.axis_names=(data,model)`):
+  `config_keys.rewrite_overrides`.
   """
   try:
     config_keys.check_overrides(argv)
-    return flags.FLAGS(argv)
+    # `=None` of a key that may be None, and bare tuples of names, as meant.
+    argv, nones = config_keys.rewrite_overrides(argv)
+    rest = flags.FLAGS(argv)
+    if nones and flags.FLAGS["config"].value is not None:
+      config_keys.set_nones(flags.FLAGS["config"].value, nones)
+    return rest
   except SystemExit as done:
     # absl prints the help of --help and friends, then exits 1; a help asked
     # for is a success, as in every other command.

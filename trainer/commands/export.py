@@ -23,6 +23,11 @@ and one JSON manifest, readable by any NumPy (no pickle, no jax, no orbax):
                              item_embeddings.npy, the table of a model built
                              with `vocab_shards=1`)
 
+`DIR` must be new, empty, or an earlier export (a manifest.json of format
+"cutbce-export"); a folder holding anything else (a run's prepared data, a
+user's files, another tool's manifest) or a folder of the run is refused in
+one line and nothing in it is touched (`trainer/workdir/outputs.py`).
+
 `manifest["params"]` lists each parameter as `{"name": "blocks/0/mlp/up/kernel",
 "file": "params/blocks.0.mlp.up.kernel.npy", "shape": [...], "dtype": "float32"}`.
 
@@ -160,17 +165,26 @@ def _entry(file: str, array: np.ndarray, **extra) -> dict:
   return {"file": file, "shape": list(array.shape), "dtype": str(array.dtype), **extra}
 
 
-def export_run(run, out: str | os.PathLike) -> dict:
-  """Writes `run` (a `trainer.commands.workdir.TrainedRun`) to `out`; returns the manifest."""
+def export_run(run, out: str | os.PathLike, *, protected=()) -> dict:
+  """Writes `run` (a `trainer.commands.workdir.TrainedRun`) to `out`; returns the manifest.
+
+  `out` must be new, empty or an earlier export (its manifest tagged
+  `FORMAT`), and none of `protected` (`trainer.workdir.outputs.run_paths`).
+
+  Raises:
+    ConfigError: `out` holds files an export did not write, or is a run's folder.
+  """
   import jax  # pylint: disable=import-outside-toplevel
   from etils import epath  # pylint: disable=import-outside-toplevel
+  from trainer.workdir import outputs  # pylint: disable=import-outside-toplevel
+  outputs.check_folder(out, format_tag=FORMAT, protected=protected)
   folder = epath.Path(out)
   (folder / "params").mkdir(parents=True, exist_ok=True)
   # The manifest goes first and comes back last: an export that dies between
   # (over an older one, say) has none, and `load_export` refuses it, where it
-  # would otherwise name one step and hold another step's arrays.
-  if (folder / MANIFEST).exists():
-    (folder / MANIFEST).unlink()
+  # would otherwise name one step and hold another step's arrays. It is set
+  # aside, not deleted, so the folder stays known as an export's.
+  outputs.retire_manifest(folder)
   num_items = run.data.num_items
   params = _flatten(jax.tree.map(np.asarray, jax.device_get(run.params)))
 
@@ -217,16 +231,22 @@ def export_run(run, out: str | os.PathLike) -> dict:
   temporary = folder / f".{MANIFEST}.tmp-{os.getpid()}"
   temporary.write_text(json.dumps(manifest, indent=2) + "\n")
   temporary.replace(folder / MANIFEST)
+  outputs.drop_retired(folder)
   return manifest
 
 
 def _command(values) -> int:
   from trainer.commands import cli  # pylint: disable=import-outside-toplevel
   from trainer.commands import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
-  cli.check_out_folder(values["out"])  # a file or an unwritable place: one line, no work
+  from trainer.workdir import outputs  # pylint: disable=import-outside-toplevel
+  # A file, a folder of foreign files, a folder of the run or an unwritable place:
+  # one line, no work, nothing deleted.
+  cli.check_out_folder(values["out"], format_tag=FORMAT,
+                       protected=outputs.run_paths(values["workdir"]))
   run = workdir_lib.open_run(values["workdir"], which=values["checkpoint"],
                              step=values.get("step"), say=cli.notice)
-  manifest = export_run(run, values["out"])
+  manifest = export_run(run, values["out"],
+                        protected=outputs.run_paths(run.workdir, run.data_dir))
   cli.notice(f"exported step {run.step} ({run.which}): {manifest['num_items']:,} items x "
              f"{manifest['dim']}, {len(manifest['params'])} parameters to {values['out']}")
   print(json.dumps({"out": str(values["out"]), "step": run.step, "checkpoint": run.which,

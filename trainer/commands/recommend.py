@@ -4,7 +4,9 @@
         [--include_seen] [--checkpoint=best|latest] [--step=N] [--batch_size=B]
 
 For each user (every user of the run's data, or the raw ids listed in FILE,
-one per line, in that order) the model reads the last `seq_len` items of the
+one per line, in that order, each exactly as written: nothing is stripped,
+so an id with spaces is written with them on its line; empty lines are
+skipped) the model reads the last `seq_len` items of the
 user's whole history (every split: what is known now) and the hidden state
 of the last position is scored against the whole item table with
 `cutbce.sharding.sharded_top_k` over the run's mesh, as training shards it
@@ -22,7 +24,10 @@ command ends with a warning line counting the users concerned. Users go in batch
 `--batch_size` (default the run's `eval_batch_size`; never more than the
 users, rounded up to the token shards; a batch whose forward step is over
 the int32 or memory bound of `trainer/config/budget.py` is refused in one
-line), with progress lines on stderr. A user id of FILE that is not in the data stops the command (exit 2,
+line), with progress lines on stderr. `--out` is a new path or a regular
+file, replaced whole (`trainer/workdir/outputs.py`): a device, FIFO,
+socket, symlink or a file of the run (its config.json, checkpoints, data,
+...) is refused in one line before any work. A user id of FILE that is not in the data stops the command (exit 2,
 one line naming the unknown ids) before anything is computed or written.
 
 The exclude list of a batch is as wide as the longest distinct history in it
@@ -35,6 +40,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -50,14 +56,23 @@ from trainer import train as train_lib
 from trainer.config import budget
 from trainer.data import ids as data_ids
 from trainer.config.schema import ConfigError
+from trainer.workdir import outputs
 
 _MIN_EXCLUDE = 8
+_DECIMAL = re.compile(r"-?[0-9]+")
 
 
 def read_user_ids(path: str) -> list[str]:
-  """The non-blank lines of `path`, stripped."""
-  lines = epath.Path(path).read_text().splitlines()
-  return [line.strip() for line in lines if line.strip()]
+  """The ids of `path`, one per line, exactly as written.
+
+  Lines end at "\n" (a "\r\n" ending counts as one); nothing else is
+  removed, so an id with leading, trailing or inner spaces (or tabs) is
+  written as is on its line, and "x " names another user than "x". Empty
+  lines are skipped. (An id holding a newline cannot be listed.)
+  """
+  text = epath.Path(path).read_bytes().decode("utf-8", errors="surrogateescape")
+  lines = [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+  return [line for line in lines if line]
 
 
 def dense_users(user_ids: np.ndarray, raw: Sequence[str], source: str) -> np.ndarray:
@@ -78,10 +93,8 @@ def dense_users(user_ids: np.ndarray, raw: Sequence[str], source: str) -> np.nda
   integer = np.issubdtype(user_ids.dtype, np.integer)
   dense, unknown = [], []
   for text in raw:
-    try:
-      value = int(text) if integer else text
-    except ValueError:
-      value = None
+    # An integer id only in its plain decimal form: int(" 7") would strip.
+    value = (int(text) if _DECIMAL.fullmatch(text) else None) if integer else text
     if value not in lookup:
       unknown.append(text)
     else:
@@ -213,9 +226,11 @@ def _batch_size(run, requested: int | None, *, num_users: int) -> int:
 
 def _command(values) -> int:
   from trainer.commands import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
-  cli.check_out_file(values["out"])  # a folder or an unwritable place: one line, no work
+  # A folder, device, FIFO, symlink, a file of the run or an unwritable place: one line, no work.
+  cli.check_out_file(values["out"], protected=outputs.run_paths(values["workdir"]))
   run = workdir_lib.open_run(values["workdir"], which=values["checkpoint"],
                              step=values.get("step"), say=cli.notice)
+  cli.check_out_file(values["out"], protected=outputs.run_paths(run.workdir, run.data_dir))
   data, k = run.data, values["top_k"]
   if k > data.num_items:
     raise ConfigError(f"--top_k={k}: at most the {data.num_items} items of the run's data")

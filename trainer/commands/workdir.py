@@ -52,6 +52,7 @@ class TrainedRun(NamedTuple):
     batch_size: global evaluation batch, a multiple of the token shards.
     step: the checkpoint's step.
     which: "best", "latest" or "step" (chosen by `--step`).
+    data_dir: the folder of the prepared data.
   """
 
   workdir: str
@@ -64,6 +65,7 @@ class TrainedRun(NamedTuple):
   batch_size: int
   step: int
   which: str
+  data_dir: str
 
 
 def checkpoints_dir(workdir: str | os.PathLike) -> epath.Path:
@@ -162,8 +164,9 @@ def open_run(workdir: str, *, which: str = "best", step: int | None = None,
   config = saved_config.read(workdir)
   config_keys.check(config, config_keys.Context(device_count=math.prod(config.mesh.shape)))
   step, which = choose_step(workdir, config.checkpoint.best_metric, which, step, say)
-  data = data_lib.load_prepared(config_keys.prepared_folder(config.data.prepared_dir, workdir))
-  fingerprint.check(workdir, data.item_ids)  # the items the checkpoint's rows name
+  data_dir = config_keys.prepared_folder(config.data.prepared_dir, workdir)
+  data = data_lib.load_prepared(data_dir)
+  fingerprint.check(workdir, data.item_ids, data_dir)  # the items the checkpoint's rows name
   mesh, token_axes, vocab_axis = command_mesh(config, say)
   graphdef, abstract = _abstract_params(config, data.num_items)
   shardings = train_lib.state_shardings(abstract, mesh, vocab_axis)
@@ -184,4 +187,4 @@ def open_run(workdir: str, *, which: str = "best", step: int | None = None,
   say(f"{workdir}: {label}, step {step}; {data.num_users:,} users, {data.num_items:,} items")
   return TrainedRun(workdir=workdir, config=config, data=data, graphdef=graphdef, params=params,
                     param_shardings=shardings, settings=settings, batch_size=batch_size,
-                    step=step, which=which)
+                    step=step, which=which, data_dir=str(data_dir))

@@ -19,9 +19,26 @@ inside XLA:
   the attention weights `[B, heads, N, N]`, the feed-forward's
   `[B, N, mlp_dim]` and four `[B, N, D]` (the norms' and attention's inputs
   and outputs) per block, plus the embeddings and the output; the forward-only
-  steps (evaluation, `trainer.recommend`) hold one block's at a time. Items,
-  parameters and the optimizer state are not counted (the catalog is not
-  known yet), so the bound only refuses what cannot fit.
+  steps (evaluation, `trainer.recommend`) hold one block's at a time.
+* the state: the parameters, and for training their gradients and AdamW's
+  two moments, all float32, 16 bytes per parameter (4 forward only):
+
+      params = V_padded x D / vocab_shards + N x D
+               + layers x (4 D^2 + 2 D x mlp_dim)   (weights; biases and norms
+                                                    are too small to count)
+
+  The item table is split over the vocab axis; the rest is replicated on
+  every device, so CPU devices (which share the host's RAM) each hold a copy.
+  Before the data is prepared the catalog is unknown (V = 0); the trainer
+  checks again with V once it is (`check_state`), before anything is
+  allocated: a state that cannot fit would otherwise be asked of XLA, which
+  on some machines fails on a worker thread and leaves the main thread
+  waiting forever (issue 41).
+
+Both bounds are lower bounds, so they only refuse what cannot fit. The
+memory is the devices' own (`bytes_limit`), or for CPU devices the host's
+RAM, capped by a stated limit: the cgroup's `memory.max` (a container) and
+the process's `RLIMIT_AS` / `RLIMIT_DATA` (`ulimit -v`).
 
 `limit` gives the largest value of one size that passes both, the figure
 the one-line message names.
@@ -90,12 +107,36 @@ def memory_bytes() -> int | None:
   return host_memory_bytes()
 
 
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
 def host_memory_bytes() -> int | None:
-  """The host's physical RAM (bytes), or None where the OS does not say."""
+  """The host's RAM this process may use (bytes), or None where the OS does not say.
+
+  The physical RAM, capped by the cgroup's limit and `ulimit -v` / `-d`.
+  """
+  limits = []
   try:
-    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    limits.append(int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES")))
   except (AttributeError, ValueError, OSError):
-    return None
+    pass
+  for path in _CGROUP_LIMITS:
+    try:
+      with open(path, encoding="ascii") as file:
+        text = file.read().strip()
+    except OSError:
+      continue
+    if text.isdigit():
+      limits.append(int(text))
+  try:
+    import resource  # pylint: disable=import-outside-toplevel  (POSIX only)
+    for which in (resource.RLIMIT_AS, resource.RLIMIT_DATA):
+      soft = resource.getrlimit(which)[0]
+      if soft != resource.RLIM_INFINITY and soft > 0:
+        limits.append(int(soft))
+  except (ImportError, ValueError, OSError):
+    pass
+  return min(limits) if limits else None
 
 
 def fits(model: Model, *, batch: int, seq_len: int, targets: int, shards: int,
@@ -173,3 +214,56 @@ def check_sizes(model: Model, *, sizes: dict[str, int], blame: Sequence[str], ta
   if limits[key] == 0:
     return key, f"no value fits here with the other sizes ({reason.replace('past it ', '')})"
   return key, f"at most {limits[key]:,} here ({reason})"
+
+
+# Bytes per parameter: float32 params, gradients and AdamW's two moments (training),
+# or the params alone (the forward-only commands).
+STATE_BYTES = {True: 16, False: 4}
+
+
+def param_count(model: Model, *, num_items: int, seq_len: int, vocab_shards: int = 1) -> int:
+  """A lower bound on the parameters one device holds (the table's rows split by `vocab_shards`)."""
+  dim, layers, _, mlp_dim, _ = model
+  table_rows = -(-num_items // max(vocab_shards, 1)) if num_items else 0
+  return table_rows * dim + seq_len * dim + layers * (4 * dim * dim + 2 * dim * mlp_dim)
+
+
+def state_bytes(model: Model, *, num_items: int, seq_len: int, vocab_shards: int = 1,
+                training: bool = True) -> int:
+  """A lower bound on the bytes of the state one device holds."""
+  return STATE_BYTES[training] * param_count(model, num_items=num_items, seq_len=seq_len,
+                                             vocab_shards=vocab_shards)
+
+
+def check_state(model: Model, *, num_items: int, seq_len: int, vocab_shards: int,
+                local_devices: int, memory: int | None, training: bool = True,
+                activations: int = 0) -> str | None:
+  """Why the state (plus `activations` bytes per device) cannot fit, or None.
+
+  Args:
+    model: the model's sizes.
+    num_items: V (0 before the data is prepared: the table is not counted).
+    seq_len: N (the position table).
+    vocab_shards: devices the item table's rows are split over.
+    local_devices: devices of this process (CPU devices share the host's RAM).
+    memory: bytes of this process's devices together, or None: not checked.
+    training: count gradients and AdamW's moments too.
+    activations: bytes per device of the step's activations (`step_bytes`).
+  """
+  if memory is None:
+    return None
+  state = state_bytes(model, num_items=num_items, seq_len=seq_len, vocab_shards=vocab_shards,
+                      training=training)
+  if (state + activations) * local_devices <= memory:
+    return None
+  what = ("parameters, gradients and AdamW moments (float32, 16 bytes per parameter)"
+          if training else "parameters (float32)")
+  table = (f"{num_items:,} items x {model.dim:,}" + (f" over {vocab_shards} table shards"
+                                                     if vocab_shards > 1 else "")
+           if num_items else "the item table not counted yet")
+  per_device = f"{gib(state)} per device" + (f" x {local_devices} devices" if local_devices > 1
+                                             else "")
+  return (f"the model's {what} need at least {per_device} ({table}; dim {model.dim:,}, "
+          f"{model.num_layers} layers, mlp_dim {model.mlp_dim:,})"
+          + (f" plus {gib(activations)} of activations" if activations else "")
+          + f", and this host's devices hold {gib(memory)}")

@@ -569,6 +569,15 @@ def _step_fits(batch_key: str, blamed: str, *, training: bool):
   return check_rule
 
 
+def _model_fits(values, context):
+  """The model's state (no items yet: the catalog is not known) fits this host's devices."""
+  local_devices = max(1, context.device_count // max(1, context.process_count))
+  why = budget.check_state(budget.Model.of(values), num_items=0, seq_len=values["seq_len"],
+                           vocab_shards=1, local_devices=local_devices,
+                           memory=context.memory_bytes)
+  return None if why is None else f"a model whose state fits this host: {why}"
+
+
 RULES: tuple[Rule, ...] = (
     Rule(name="memory_limit_parses", keys=("data.prepare_memory_limit",),
          check=_memory_limit_parses,
@@ -662,6 +671,12 @@ RULES: tuple[Rule, ...] = (
     Rule(name="batch_fits", keys=("batch_size", "seq_len", "num_targets") + _MODEL_KEYS,
          check=_step_fits("batch_size", "batch", training=True),
          doc="the same bound, naming `batch_size` when it is the further over its limit"),
+    Rule(name="model_fits", keys=("model.dim", "seq_len") + _MODEL_KEYS[1:],
+         check=_model_fits,
+         doc="the model's parameters, gradients and AdamW moments (16 bytes per float32 "
+         "parameter, `trainer/config/budget.py`) fit this host's device memory before any "
+         "item is counted; checked again with the catalog once the data is prepared, before "
+         "anything is allocated"),
     Rule(name="eval_batch_fits", keys=("eval_batch_size", "seq_len") + _MODEL_KEYS,
          check=_step_fits("eval_batch_size", "batch", training=False),
          doc="the evaluation step (forward only, one block's activations at a time) fits "
@@ -700,6 +715,52 @@ def overrides(argv: Sequence[str]) -> list[tuple[str, str]]:
                                            not args[i + 1].startswith("-") else "true")
         found.append((path, value))
   return found
+
+
+def rewrite_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+  """Overrides as the user means them, where ml_collections would read them otherwise.
+
+  * `--config.<key>=None` for a key whose documented value may be None
+    (`loss.num_negatives`, `max_checkpoints`, `loss.pos_weight`, ...): the
+    flag parser takes "None" as text of the key's type and refuses it, so it
+    is taken out of `argv` and returned, to be set with `set_nones` once the
+    config is loaded.
+  * a tuple of names written bare (`--config.mesh.axis_names=(data,model)`,
+    `data,model`): ml_collections reads a string that is not a Python literal
+    as one name; it is rewritten as the literal `('data', 'model')`.
+
+  Returns:
+    `(argv with those rewritten, the paths to set to None)`.
+  """
+  rewritten, nones = [argv[0]], []
+  for arg in argv[1:]:
+    path, equals, value = arg[len("--config."):].partition("=")
+    k = _INDEX.get(path) if arg.startswith("--config.") and equals else None
+    if k is not None and value == "None" and k.none_ok:
+      nones.append(path)
+      continue
+    if k is not None and k.type == schema.STRS and not _is_literal_sequence(value):
+      arg = f"--config.{path}={tuple(schema.from_text(k, value))!r}"
+    rewritten.append(arg)
+  return rewritten, nones
+
+
+def _is_literal_sequence(text: str) -> bool:
+  import ast  # pylint: disable=import-outside-toplevel
+  try:
+    return isinstance(ast.literal_eval(text), (tuple, list))
+  except (ValueError, SyntaxError):
+    return False
+
+
+def set_nones(config, nones: Sequence[str]) -> None:
+  """Sets each dotted path of `nones` (from `rewrite_overrides`) to None in `config`."""
+  for path in nones:
+    *parents, leaf = path.split(".")
+    section = config
+    for part in parents:
+      section = getattr(section, part)
+    setattr(section, leaf, None)
 
 
 def check_overrides(argv: Sequence[str]) -> None:
@@ -835,8 +896,20 @@ def flag_name(path: str) -> str:
   return "--" + path
 
 
+def _unreachable(path: str) -> str | None:
+  """Why a `gs://` path cannot be reached here (its package missing), or None."""
+  try:
+    paths.check_remote(path)
+  except paths.WorkdirError as error:
+    return str(error).split(": ", 1)[-1]
+  return None
+
+
 def _workdir_holds_run(values, context):
   del context
+  unreachable = _unreachable(values["workdir"])
+  if unreachable is not None:
+    return f"an existing run directory ({unreachable})"
   if not epath.Path(values["workdir"], "config.json").exists():
     return "an existing run directory holding config.json (written by python -m trainer.main)"
   return None
@@ -844,6 +917,8 @@ def _workdir_holds_run(values, context):
 
 def _users_file_exists(values, context):
   del context
+  if values.get("users") is not None and _unreachable(values["users"]) is not None:
+    return f"None or an existing file of raw user ids ({_unreachable(values['users'])})"
   if values.get("users") is not None and not epath.Path(values["users"]).is_file():
     return "None or an existing file of raw user ids, one per line"
   return None

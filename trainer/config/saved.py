@@ -89,12 +89,14 @@ def read_record(workdir: str | os.PathLike) -> dict:
   Raises:
     FileNotFoundError: the workdir holds no config.json.
     schema.ConfigError: a file of another format or version.
+    paths.WorkdirError: a config.json that is a folder or not JSON.
   """
+  paths.check_remote(workdir)
   target = path(workdir)
   if not target.exists():
     raise FileNotFoundError(f"{target} not found: not the workdir of a training run "
                             "(python -m trainer.main writes it at start)")
-  record = json.loads(target.read_text())
+  record = paths.read_json(target, "config")  # a folder, truncated, not JSON: one line
   if record.get("format") != FORMAT or record.get("version") != VERSION:
     raise schema.ConfigError(
         f"{target}: a config of format {FORMAT!r} version {VERSION} (written by python -m "

@@ -10,7 +10,8 @@ first four steps; ``python -m trainer.data`` is its command line.
 Ids: items are in ``[0, V)``; ``inputs`` are padded with V
 (``input_pad_id(V)``); ``targets`` and ``exclude`` are padded with -1 (``PAD``).
 
-Imports: NumPy, pyarrow, DuckDB, grain, ``trainer.workdir.paths`` and the generic
+Imports: NumPy, pyarrow, DuckDB, grain, ``trainer.workdir.paths`` and
+``trainer.workdir.outputs`` (what an output folder may hold), and the generic
 description of settings (``trainer.config.schema``, for the command's flags);
 never the model, the training step or the commands.
 """

@@ -7,7 +7,11 @@ dataset and split names. Every flag is checked first against ``FLAG_KEYS``
 (a :mod:`trainer.config.schema` description) and ``FLAG_RULES``: a bad one exits
 with code 2 and one line ``bad config: --<flag>=<value>: <what is allowed>``;
 bad data (a missing column, an unreadable time, ...) exits 2 with one line
-``error: ...`` naming the file and the column.
+``bad data: ...`` naming the file and the column; an ``--out`` folder that
+holds files no preparation wrote (a user's own ``items.npy``, notes, another
+tool's manifest) is refused with ``bad config: --out=...`` and nothing in it
+is changed (a new or empty folder, or an earlier preparation, is written; a
+symlink to a folder is followed). Other failures: ``error: ...``.
 
 Examples::
 
@@ -34,6 +38,7 @@ import os
 import sys
 
 from trainer.config import schema
+from trainer.workdir import paths
 from trainer.data import engine, files, prepare, sources, splits, yambda
 from trainer.config.schema import FLOAT, INT, STR, above, at_least, key, one_of, unit
 
@@ -331,6 +336,14 @@ def main(argv: list[str] | None = None) -> int:
           split_options=split_options, source_options=source_options(args),
           seq_lens=(args.seq_len,), num_shards=args.num_shards, engine=args.engine,
           memory_limit=args.memory_limit, temp_dir=args.temp_dir)
+  except (schema.ConfigError, paths.WorkdirError) as error:
+    # an --out folder holding files of another writer; a gs:// path without gcsfs
+    print(f"bad config: {error}", file=sys.stderr)
+    return 2
+  except sources.DataError as error:  # the raw data: a missing column, an empty table, ...
+    message = str(error).replace("\n", " ")  # one line, whatever pyarrow said
+    print(f"bad data: {message}", file=sys.stderr)
+    return 2
   except (ValueError, TypeError, OSError, RuntimeError) as error:
     message = str(error).replace("\n", " ")  # one line, whatever pyarrow said
     print(f"error: {message}", file=sys.stderr)

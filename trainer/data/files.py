@@ -118,6 +118,7 @@ def resolve_files(path: str | os.PathLike) -> list[pathlib.Path]:
     ValueError: a named file of an unknown format.
   """
   if paths.is_remote(path):
+    paths.check_remote(path)  # gs:// without gcsfs: one line
     return _resolve_remote(os.fspath(path))
   text = os.path.expanduser(os.fspath(path))
   if os.path.isfile(text):

@@ -19,7 +19,7 @@ import pathlib
 import shutil
 from collections.abc import Mapping
 
-from trainer.workdir import paths
+from trainer.workdir import outputs, paths
 from trainer.data import preprocess, sources, splits, storage
 
 # Minimum interactions per item when the caller does not say: the SASRec
@@ -101,7 +101,7 @@ def summarize(manifest: Mapping, seq_len: int) -> dict:
 
 def _read_manifest(folder: str | os.PathLike) -> dict | None:
   path = paths.as_path(folder) / storage.MANIFEST
-  return json.loads(path.read_text()) if path.is_file() else None
+  return storage.read_manifest(path) if path.is_file() else None
 
 
 def has_manifest(folder: str | os.PathLike) -> bool:
@@ -296,7 +296,9 @@ def staged(out: str | os.PathLike):
   if paths.is_remote(out):
     yield out
     return
-  target = pathlib.Path(os.fspath(out))
+  # A symlink to a folder (the data on another disk) is followed: the files go
+  # where it points, and the staging folder beside them (same file system).
+  target = pathlib.Path(os.path.realpath(os.fspath(out)))
   target.parent.mkdir(parents=True, exist_ok=True)
   _remove_stale_staging(target)
   staging = target.parent / STAGING.format(name=target.name, pid=os.getpid())
@@ -311,8 +313,23 @@ def staged(out: str | os.PathLike):
       if entry.name != storage.MANIFEST:
         os.replace(entry, target / entry.name)
     os.replace(staging / storage.MANIFEST, target / storage.MANIFEST)  # last: complete
+    outputs.drop_retired(target)
   finally:
     shutil.rmtree(staging, ignore_errors=True)
+
+
+def check_output_folder(out: str | os.PathLike, name: str = "--out") -> None:
+  """Refuses ``out`` unless it is new, empty or a preparation's (its manifest tagged).
+
+  A folder holding a user's own files (an ``items.npy`` of theirs, notes, a
+  manifest of another tool or one that is not JSON) is never written into:
+  nothing of it is overwritten or deleted (``trainer.workdir.outputs``).
+
+  Raises:
+    ConfigError: one line naming ``name``, the folder and a few of its files.
+  """
+  paths.check_remote(out)
+  outputs.check_folder(out, name, format_tag=storage.FORMAT, ignore=(".lock",))
 
 
 def prepare_dataset(dataset: str, out: str | os.PathLike, *,
@@ -322,11 +339,12 @@ def prepare_dataset(dataset: str, out: str | os.PathLike, *,
                     source_options: Mapping | None = None,
                     seq_lens: tuple[int, ...] = (200,), num_shards: int = 1,
                     engine: str = "auto", memory_limit: str | int | None = None,
-                    temp_dir: str | os.PathLike | None = None) -> dict:
+                    temp_dir: str | os.PathLike | None = None, name: str = "--out") -> dict:
   """Prepares a dataset into ``out`` and returns its manifest.
 
-  Any manifest already in ``out`` is removed first, so a failure at any step
-  leaves no manifest behind; the new files are written beside ``out`` and
+  ``out`` must be new, empty or hold an earlier preparation
+  (:func:`check_output_folder`). Any manifest already in ``out`` is set aside
+  first, so a failure at any step leaves no manifest behind; the new files are written beside ``out`` and
   moved in once complete (:func:`staged`), so a stopped preparation leaves
   no partial array in ``out``.
 
@@ -353,6 +371,7 @@ def prepare_dataset(dataset: str, out: str | os.PathLike, *,
       the machine's RAM). Ignored in memory.
     temp_dir: local folder for the engine's spill files (None: the system's
       temporary folder).
+    name: how ``out`` is named in a refusal (the flag or config key).
 
   Returns:
     The manifest written to ``out/manifest.json``: counts, and every option
@@ -361,7 +380,9 @@ def prepare_dataset(dataset: str, out: str | os.PathLike, *,
 
   Raises:
     ValueError, TypeError, FileNotFoundError: bad names, options or data.
+    ConfigError: ``out`` holds files no preparation wrote (nothing is changed).
   """
+  check_output_folder(out, name)
   storage.remove_manifest(out)
   loader = sources.get_source(dataset)
   _check_options(split, seq_lens)

@@ -66,8 +66,9 @@ from collections.abc import Mapping
 import numpy as np
 from etils import epath
 
-from trainer.workdir import paths
+from trainer.workdir import outputs, paths
 from trainer.data import splits, windows
+from trainer.data.sources import DataError
 
 MANIFEST = "manifest.json"
 FORMAT = "cutbce-prepared"
@@ -319,9 +320,32 @@ def _max_or_zero(values: np.ndarray) -> int:
   return int(values.max()) if values.size else 0
 
 
+def read_manifest(path: str | os.PathLike) -> dict:
+  """The parsed manifest at ``path``.
+
+  Raises:
+    DataError: it is not a JSON object (a truncated or foreign file), one line.
+  """
+  text = paths.as_path(path).read_text()
+  try:
+    manifest = json.loads(text)
+  except ValueError as error:
+    raise DataError(f"{path} is not JSON ({error}): not a manifest this project wrote; "
+                    "move it away and prepare again, or name another folder") from None
+  if not isinstance(manifest, dict):
+    raise DataError(f"{path} holds JSON {type(manifest).__name__}, not a manifest object; "
+                    "move it away and prepare again, or name another folder")
+  return manifest
+
+
 def remove_manifest(path: str | os.PathLike) -> None:
-  """Deletes the manifest of ``path`` if any, marking the folder incomplete."""
-  (paths.as_path(path) / MANIFEST).unlink(missing_ok=True)
+  """Sets the manifest of ``path`` aside if any, marking the folder incomplete.
+
+  It is renamed, not deleted (``trainer.workdir.outputs.retire_manifest``):
+  the folder stays known as a preparation's, so a preparation killed before
+  its new manifest is written can be run again into the same folder.
+  """
+  outputs.retire_manifest(path)
 
 
 def _write_atomic(target: epath.Path, write) -> None:
@@ -433,6 +457,7 @@ def write_prepared(path: str | os.PathLike, arrays: Mapping[str, np.ndarray],
                       "rows": rows.tolist()}
   text = json.dumps(full, indent=2, sort_keys=True).encode()
   _write_atomic(folder / MANIFEST, lambda file: file.write(text))
+  outputs.drop_retired(folder)
   return folder
 
 
@@ -537,7 +562,7 @@ def load_prepared(path: str | os.PathLike) -> PreparedDataset:
         f"no {MANIFEST} in {folder}: the dataset was not prepared there or its "
         "preparation failed; run `python -m trainer.data --out "
         f"{folder} ...` first")
-  manifest = json.loads(manifest_path.read_text())
+  manifest = read_manifest(manifest_path)
   if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE_VERSIONS:
     raise ValueError(
         f"{manifest_path} has format {manifest.get('format')!r} version "

@@ -10,7 +10,10 @@ module per guard:
 - `fingerprint`: WORKDIR/data_fingerprint.json, the item-id map the run's
   table rows name; re-prepared data whose items moved is refused.
 - `checkpoint`: WORKDIR/checkpoints (orbax), committed atomically, free
-  space checked first, SIGTERM saves and stops.
+  space checked first.
+- `preemption`: SIGTERM saves and stops at a step in the loop, stops at
+  once elsewhere, and ends a process whose main thread is stuck in native
+  code after a grace period: never ignored.
 - `logs`: WORKDIR/metrics.jsonl and TensorBoard events, a torn last line
   dropped.
 - `outputs`: what a command may write: regular files or new paths only

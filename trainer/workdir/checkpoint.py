@@ -50,14 +50,13 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 
 import grain
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from trainer.workdir import paths
+from trainer.workdir.preemption import PreemptionNotice  # noqa: F401  (where the loop finds it)
 from trainer.config.schema import ConfigError
 
 
@@ -355,77 +354,3 @@ def restore_newest(manager: ocp.CheckpointManager, abstract_state, iterator, *,
   raise CheckpointError(f"no checkpoint in {directory} restores into this run's state "
                         f"({tried}): corrupted files, or a config whose shapes differ "
                         "from the checkpoints'")
-
-
-def _preemption_sync_manager_running() -> bool:
-  """Whether JAX's preemption sync manager runs in this process.
-
-  It starts with `jax.distributed.initialize()` unless the config
-  `jax_enable_preemption_service` is off. `jax._src.distributed` is private;
-  the public `reached_preemption_sync_point` answers False both without a
-  distributed client and before any notice, so it cannot tell.
-  """
-  try:
-    from jax._src import distributed  # pylint: disable=import-outside-toplevel
-  except ImportError:  # pragma: no cover
-    return False
-  state = distributed.global_state
-  return state.client is not None and getattr(state, "preemption_sync_manager", None) is not None
-
-
-class PreemptionNotice:
-  """Whether to save and stop before the step `step`: the same answer on every process.
-
-  Every process must take part in a checkpoint, so all of them stop at the
-  same step. Three ways, chosen when it is made (`mode`):
-
-  "sync_point": `jax.distributed` is initialised and its preemption sync
-    manager runs (the default). The coordination service's notifier catches
-    SIGTERM in C++ (on Cloud TPU this is how a preemption or, with
-    Autocheckpoint enabled, a maintenance event is announced), tells every
-    process, and agrees on the step after the largest one any process has
-    reached. `reached(step)` is orbax's `CheckpointManager.reached_preemption`
-    (`multihost_utils.reached_preemption_sync_point`): a local lookup, no
-    collective; it must be called at every step, with the same step numbers
-    on every process. No Python handler is installed (it would replace the
-    notifier's).
-  "local": one process and no sync manager (`python -m trainer.main` without
-    coordinator flags, the tests). A Python SIGTERM handler sets a flag that
-    `reached` reads: nothing to agree on, no collective.
-  "combined": several processes but the preemption service is off
-    (`jax_enable_preemption_service=False`). The Python handler's flags are
-    combined (logical or, one `process_allgather`) only at steps that are
-    multiples of `combine_every`, where the loop reads metrics anyway; the
-    stop comes up to `combine_every - 1` steps after the signal.
-  """
-
-  def __init__(self, *, combine_every: int = 1):
-    self._combine_every = max(int(combine_every), 1)
-    self._set = False
-    self._previous = None
-    if _preemption_sync_manager_running():
-      self.mode = "sync_point"
-    else:
-      self.mode = "local" if jax.process_count() == 1 else "combined"
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    self._set = True
-
-  def reached(self, step: int) -> bool:
-    """True when the loop must save the state of `step` and stop (call at every step)."""
-    if self.mode == "sync_point":
-      return ocp.multihost.reached_preemption(step)
-    if self.mode == "local":
-      return self._set
-    if step % self._combine_every:
-      return False
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    return bool(np.any(multihost_utils.process_allgather(np.array(self._set))))
-
-  def close(self) -> None:
-    """Puts back the SIGTERM handler found at start (if one was replaced)."""
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None

@@ -37,17 +37,34 @@ def of(item_ids: np.ndarray) -> dict:
   return {"num_items": int(ids.shape[0]), "item_ids_sha256": digest.hexdigest()}
 
 
-def check(workdir: str | os.PathLike, item_ids: np.ndarray) -> dict:
+def _advice(prepared: str | os.PathLike | None) -> str:
+  """What to do: the raw data back, and the preparation of the changed data gone."""
+  if prepared is None:
+    return ("Restore the raw data the run was prepared from and prepare it again, or start "
+            "a new workdir")
+  return (f"Restore the raw data the run was prepared from and delete {prepared} (it holds "
+          "the preparation of the changed data; the next start prepares it again from the "
+          "restored raw data), or start a new workdir")
+
+
+def check(workdir: str | os.PathLike, item_ids: np.ndarray,
+          prepared: str | os.PathLike | None = None) -> dict:
   """Compares the data's fingerprint with the run's record; returns the data's.
+
+  Args:
+    workdir: the run's directory.
+    item_ids: `[V]` raw item ids of the prepared data, in dense order.
+    prepared: the prepared-data folder, named in the advice.
 
   Raises:
     ConfigError: the run recorded another item-id map (one line).
+    WorkdirError: the record is a folder or not JSON (one line).
   """
   current = of(item_ids)
   target = paths.as_path(workdir) / FILE
   if not target.exists():
     return current
-  recorded = json.loads(target.read_text())
+  recorded = paths.read_json(target, "record of its item ids")
   if recorded != current:
     digests = (f"sha256 {current['item_ids_sha256'][:12]}, was "
                f"{str(recorded.get('item_ids_sha256'))[:12]}")
@@ -57,13 +74,12 @@ def check(workdir: str | os.PathLike, item_ids: np.ndarray) -> dict:
           f"the prepared data has {current['num_items']:,} items and this run was trained on "
           f"{was:,} (the item count changed from {was:,} to {current['num_items']:,}; "
           f"{digests}): the raw data "
-          "changed since the run was prepared. Restore the raw data the run was prepared from, "
-          "or start a new workdir")
+          f"changed since the run was prepared. {_advice(prepared)}")
     what = f"the same {current['num_items']} items, other raw ids or another order"
     raise ConfigError(
         f"the prepared data's item-id map differs from the one this run trained on ({what}; "
         f"{digests}): the checkpoint's table rows would name "
-        "other items. Restore the raw data the run was prepared from, or start a new workdir")
+        f"other items. {_advice(prepared)}")
   return current
 
 

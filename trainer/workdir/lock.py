@@ -29,8 +29,11 @@ from trainer.workdir import paths
 FILE = "trainer.lock"
 
 
-class WorkdirError(Exception):
-  """The workdir cannot be used: one line, the path and why."""
+WorkdirError = paths.WorkdirError  # the workdir cannot be used: one line, the path and why
+
+# The files and folders a run keeps in its workdir (checked before anything is written).
+RUN_FILES = ("config.json", "data_fingerprint.json", FILE, "metrics.jsonl")
+RUN_FOLDERS = ("checkpoints",)
 
 
 class Lock:
@@ -61,6 +64,7 @@ def check_usable(workdir: str | os.PathLike) -> None:
   reason = paths.write_error(path)
   if reason is not None:
     raise WorkdirError(f"--workdir={path}: not writable ({reason})")
+  paths.check_run_files(path, RUN_FILES, RUN_FOLDERS)
 
 
 def holder(workdir: str | os.PathLike) -> dict:
@@ -78,6 +82,7 @@ def acquire(workdir: str | os.PathLike, *, process_index: int = 0) -> Lock:
   Raises:
     WorkdirError: an unusable workdir, or one another live trainer holds.
   """
+  paths.check_remote(workdir)  # gs:// without gcsfs: one line now, not at the first write
   if paths.is_remote(workdir) or process_index != 0:
     return Lock(None)
   import fcntl  # pylint: disable=import-outside-toplevel  (POSIX only)

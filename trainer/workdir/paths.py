@@ -11,9 +11,18 @@ absolute paths); a URI is kept exactly as given: `os.path.abspath` would make
 
 from __future__ import annotations
 
+import json
 import os
 
 from etils import epath
+
+
+class WorkdirError(Exception):
+  """The workdir (or a file of the run in it) cannot be used: one line, the path and why."""
+
+
+# Filesystem packages a URI scheme needs (fsspec finds them by name).
+REMOTE_PACKAGES = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs"}
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -36,6 +45,70 @@ def as_path(path: str | os.PathLike) -> epath.Path:
   if is_remote(path):
     return epath.Path(os.fspath(path))
   return epath.Path(os.path.abspath(os.fspath(path)))
+
+
+def check_remote(path: str | os.PathLike) -> None:
+  """Raises `WorkdirError` (one line) when the filesystem package of URI `path` is missing.
+
+  Without it, fsspec fails at the first read or write with an ImportError
+  traceback, after the work that came before. The commands call it on every
+  path flag before any work (a local path passes).
+  """
+  if not is_remote(path):
+    return
+  import fsspec  # pylint: disable=import-outside-toplevel
+  scheme = os.fspath(path).split("://", 1)[0]
+  try:
+    fsspec.get_filesystem_class(scheme)
+  except ImportError:
+    package = REMOTE_PACKAGES.get(scheme, f"the fsspec implementation of {scheme}://")
+    raise WorkdirError(f"{os.fspath(path)}: {scheme}:// paths need the {package} package, "
+                       f"which is not installed (pip install {package})") from None
+  except ValueError:
+    raise WorkdirError(f"{os.fspath(path)}: {scheme}:// is not a filesystem fsspec knows; "
+                       "expected a local path or gs://bucket/...") from None
+
+
+def read_json(path: epath.Path, what: str) -> dict:
+  """A JSON object file of the run (`what` names it), or one line saying what is wrong.
+
+  Raises:
+    WorkdirError: a folder at `path`, or text that is not a JSON object
+      (truncated, or another program's).
+  """
+  if path.is_dir():
+    raise WorkdirError(f"{path} is a folder; the run keeps its {what} there as a file: move "
+                       "it away, or use another workdir")
+  text = path.read_text()
+  try:
+    record = json.loads(text)
+  except ValueError as error:
+    raise WorkdirError(f"{path} is not JSON ({error}; {len(text)} bytes): the run's {what} "
+                       "is damaged (truncated, or written by something else)") from None
+  if not isinstance(record, dict):
+    raise WorkdirError(f"{path} holds JSON {type(record).__name__}, not the run's {what}")
+  return record
+
+
+def check_run_files(workdir: str | os.PathLike, files: tuple[str, ...],
+                    folders: tuple[str, ...]) -> None:
+  """Raises `WorkdirError` when a file of a local run is a folder, or a folder a file.
+
+  A `metrics.jsonl` or `trainer.lock` that is a folder would otherwise fail
+  deep inside a write, after data preparation and state creation.
+  """
+  if is_remote(workdir):
+    return
+  for name in files:
+    target = os.path.join(os.fspath(workdir), name)
+    if os.path.isdir(target):
+      raise WorkdirError(f"{target} is a folder; the run keeps a file of that name there: "
+                         "move it away, or use another --workdir")
+  for name in folders:
+    target = os.path.join(os.fspath(workdir), name)
+    if os.path.lexists(target) and not os.path.isdir(target):
+      raise WorkdirError(f"{target} is a file; the run keeps a folder of that name there: "
+                         "move it away, or use another --workdir")
 
 
 def write_error(folder: str | os.PathLike) -> str | None:
