@@ -51,18 +51,25 @@ train: install
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m trainer.main \
 	  --config=configs/ml1m_cpu.py --workdir=$(WORKDIR)
 
-# The GPU kernels compiled for H100 / H200 with no GPU attached: jax's CUDA
-# plugin (the gpu extra, about 5.5 GB) in its own venv, then the GPU tests.
+# The GPU kernels compiled for H100 / H200 with no GPU attached, in their own
+# venv: jax's CUDA plugin at the installed jaxlib's version and ptxas
+# (nvidia-cuda-nvcc-cu12), no CUDA libraries (about 0.6 GB; the `gpu` extra,
+# jax[cuda12], is what runs on a GPU). Then the compile tests: the Mosaic GPU
+# kernels' PTX and ptxas reports, the Triton kernels' compiled programs.
 VENV_GPU ?= .venv-gpu
+GPU_TESTS ?= tests/cutbce/kernels/test_mosaic_compile.py tests/cutbce/kernels/test_gpu_compile.py
 $(VENV_GPU)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_GPU)
 	$(VENV_GPU)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV_GPU)/bin/python -m pip install --quiet -e '.[test,gpu]'
+	$(VENV_GPU)/bin/python -m pip install --quiet -e '.[test]'
+	version=$$($(VENV_GPU)/bin/python -c 'import jaxlib; print(jaxlib.__version__)') && \
+	  $(VENV_GPU)/bin/python -m pip install --quiet "jax-cuda12-plugin==$$version" \
+	    "jax-cuda12-pjrt==$$version" nvidia-cuda-nvcc-cu12
 	touch $@
 
 test-gpu: $(VENV_GPU)/.installed
-	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 $(VENV_GPU)/bin/python -m pytest -q $(PYTEST_ARGS) \
-	  tests/cutbce/kernels/test_gpu.py tests/cutbce/kernels/test_gpu_compile.py
+	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 $(VENV_GPU)/bin/python -m pytest -q $(PYTEST_PARALLEL) \
+	  $(PYTEST_ARGS) $(GPU_TESTS)
 
 bench: install
 	$(PY) benchmarks/loss_bench.py

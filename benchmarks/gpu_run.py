@@ -4,7 +4,8 @@ Two commands, each writing JSON under `--out`:
 
   compile   (no GPU needed; the CUDA plugin, `make test-gpu`'s .venv-gpu)
             value_and_grad of the loss compiled for H100 and H200 target
-            configs: compiled memory of dense / xla / pallas_gpu at
+            configs: compiled memory of dense / xla / pallas_gpu (Mosaic) /
+            pallas_triton at
             T = 4096 (16 x 256), L = 8, D = 128, bf16, for V = 131,072,
             876,939 (the paper's) and 10^7. "Compiled for", never "ran on".
             `--kind softmax_ce`: the same for `cut_softmax_ce`.
@@ -16,20 +17,22 @@ Two commands, each writing JSON under `--out`:
                        exclusion seeds, issue 33's sampled baselines), one
                        process each, all at once on this GPU (mesh data=1,
                        the configs' global batch), cut at --quality-s.
-            1. tests   the fast GPU subset (test_gpu.py, whose Triton kernels
-                       run compiled on a GPU; test_gpu_compile.py for the
-                       attached GPU's twins), pytest -x;
-            2. loss    dense / xla / pallas_gpu fwd+bwd at V = 131,072 and
-                       1,048,576 (T = 8 x 256, D = 64, L = 4, f32 and bf16),
-                       BCE and softmax CE:
+            1. tests   the fast GPU subset (test_mosaic.py and test_gpu.py,
+                       whose Mosaic and Triton kernels run compiled on a GPU;
+                       the compile tests for the attached GPU's twins),
+                       pytest -x;
+            2. loss    xla / pallas_gpu (Mosaic) / pallas_triton / dense
+                       fwd+bwd (`LOSS_GRID`: T = 8 x 256, L = 4; BCE at
+                       V = 131,072 and 1,048,576, D = 64, f32 and bf16, and
+                       at V = 1,048,576, D = 128; softmax CE at D = 64):
                        min time over repeats, compiled temp bytes, the
-                       device's peak bytes in use after each contender;
-                       pallas_gpu also checked against xla (loss, gradients);
+                       device's peak bytes in use after each contender; the
+                       fused ones checked against xla (loss, gradients);
             3. train   the trainer step of benchmarks/train_bench.py at the
                        paper's V = 876,939 (SASRec, D = 128, N = 256, L = 8,
                        bf16) on this one GPU (mesh data=1), loss.backend xla
-                       vs pallas_gpu (and dense where it fits): compiled
-                       memory and step time;
+                       vs pallas_gpu vs pallas_triton (and dense where it
+                       fits): compiled memory and step time;
 
     python benchmarks/gpu_run.py compile --out docs/results
     bash benchmarks/gpu_run.sh OUT_DIR          # on the GPU machine
@@ -94,7 +97,7 @@ def cmd_compile(args) -> None:
         f"{'compile s':>9}  kernels")
   for target in args.targets:
     for vocab in args.vocab:
-      for backend in ("dense", "xla", "pallas_gpu"):
+      for backend in ("dense", "xla", "pallas_gpu", "pallas_triton"):
         start = time.perf_counter()
         row = {"target": target, "kind": args.kind, "vocab": vocab, "backend": backend,
                **COMPILE_SHAPES,
@@ -109,7 +112,8 @@ def cmd_compile(args) -> None:
         try:
           compiled = gpu_compiled.compile_loss(target, backend, vocab=vocab, dtype=jnp.bfloat16,
                                                plan=plan, kind=args.kind, **COMPILE_SHAPES)
-          row.update(_memory(compiled), kernels=targets.triton_kernels(compiled))
+          row.update(_memory(compiled), kernels=(targets.mosaic_kernels(compiled)
+                                                  + targets.triton_kernels(compiled)))
         except Exception as error:  # pylint: disable=broad-except
           row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
         row["compile_s"] = round(time.perf_counter() - start, 1)
@@ -139,8 +143,9 @@ def _environment() -> dict:
 
 def part_tests(out: pathlib.Path, limit_s: int) -> dict:
   command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-             "tests/cutbce/kernels/test_gpu.py", "tests/cutbce/kernels/test_gpu_compile.py",
-             "tests/cutbce/test_api.py"]
+             "tests/cutbce/kernels/test_mosaic.py", "tests/cutbce/kernels/test_gpu.py",
+             "tests/cutbce/kernels/test_mosaic_compile.py",
+             "tests/cutbce/kernels/test_gpu_compile.py", "tests/cutbce/test_api.py"]
   start = time.perf_counter()
   try:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=limit_s,
@@ -153,21 +158,37 @@ def part_tests(out: pathlib.Path, limit_s: int) -> dict:
   return result
 
 
+# (kind, dtype, vocab, D) of the loss part: T = 2,048 (8 x 256), L = 4.
+LOSS_GRID = ([("bce", d, v, 64) for d in ("float32", "bfloat16") for v in LOSS_VOCABS]
+             + [("bce", d, 1_048_576, 128) for d in ("float32", "bfloat16")]
+             + [("softmax_ce", d, v, 64) for d in ("float32", "bfloat16") for v in LOSS_VOCABS])
+# Contenders, dense last (it sets the device's peak); the fused ones are
+# checked against xla.
+LOSS_BACKENDS = ("xla", "pallas_gpu", "pallas_triton", "dense")
+
+
+def _max_rel_error(got, want) -> float:
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  (value, grads), (want_value, want_grads) = got, want
+  return max(float(abs(value - want_value) / abs(want_value)),
+             *(float(np.max(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32)))
+                     / (np.max(np.abs(np.asarray(w, np.float32))) + 1e-30))
+               for g, w in zip(grads, want_grads)))
+
+
 def part_loss(out: pathlib.Path, repeats: int) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
   import loss_bench  # pylint: disable=import-outside-toplevel
   device = jax.devices()[0]
   rows = []
-  for kind, dtype, vocab in [(k, d, v) for k in ("bce", "softmax_ce")
-                             for d in ("float32", "bfloat16") for v in LOSS_VOCABS]:
-    operands = loss_bench.make_inputs(8, 256, 64, vocab, 4, jnp.dtype(dtype))
+  for kind, dtype, vocab, dim in LOSS_GRID:
+    operands = loss_bench.make_inputs(8, 256, dim, vocab, 4, jnp.dtype(dtype))
     grad = lambda f: jax.value_and_grad(f, argnums=(0, 1))  # noqa: E731
-    results = {}
-    for backend in ("xla", "pallas_gpu", "dense"):  # dense last: it sets the peak
+    results, group = {}, []
+    for backend in LOSS_BACKENDS:
       row = {"kind": kind, "dtype": dtype, "vocab": vocab, "backend": backend,
-             "tokens": 2048, "dim": 64}
+             "tokens": 2048, "dim": dim}
       try:
         compiled, temp = loss_bench.compile_with_temp(
             grad(loss_bench.loss_fn(backend, kind=kind)), operands)
@@ -179,15 +200,12 @@ def part_loss(out: pathlib.Path, repeats: int) -> dict:
         row["device_peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
       except Exception as error:  # pylint: disable=broad-except
         row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-      rows.append(row)
+      group.append(row)
       print(row, flush=True)
-    if "xla" in results and "pallas_gpu" in results:
-      (want, want_grads), (got, got_grads) = results["xla"], results["pallas_gpu"]
-      rows[-2]["max_rel_error_vs_xla"] = max(
-          float(abs(got - want) / abs(want)),
-          *(float(np.max(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32)))
-                  / (np.max(np.abs(np.asarray(w, np.float32))) + 1e-30))
-            for g, w in zip(got_grads, want_grads)))
+    for row in group:
+      if row["backend"].startswith("pallas") and row["backend"] in results and "xla" in results:
+        row["max_rel_error_vs_xla"] = _max_rel_error(results[row["backend"]], results["xla"])
+    rows += group
   result = {"rows": rows, "environment": _environment()}
   _write(out, "loss.json", result)
   return result
@@ -199,7 +217,7 @@ def part_train(out: pathlib.Path, steps: int) -> dict:
   import train_bench  # pylint: disable=import-outside-toplevel
   bench_args = argparse.Namespace(seq=256, num_targets=8, dim=128, dtype="bfloat16")
   rows = []
-  for backend in ("xla", "pallas_gpu", "dense"):
+  for backend in ("xla", "pallas_gpu", "pallas_triton", "dense"):
     row = {"backend": backend, "vocab": PAPER_VOCAB, "batch": 16, "seq_len": 256}
     try:
       config = train_bench.make_config(bench_args, batch=16, backend=backend)

@@ -40,7 +40,7 @@ from cutbce.kernels.tiling import TilePlan
 BLOCK_T = 64  # token rows of one warpgroup's wgmma tile (its M)
 TABLE_BLOCK_V = 64  # table rows of the dE kernel's tile (its wgmma M)
 DIM_ALIGN = 64  # D padded to a multiple: 128 bytes of bfloat16, one swizzle row
-MAX_DIM = 256  # the dh accumulator's width in registers
+MAX_DIM = 256  # the dh accumulator's width in registers (the register budget binds first)
 VOCAB_BLOCKS = (256, 128, 64)  # sweep tile candidates, most preferred first
 MIN_STAGES, MAX_STAGES = 2, 4  # TMA pipeline depth
 THREADS = 128  # one warpgroup
@@ -155,11 +155,18 @@ def geometry(num_tokens: int, num_items: int, vocab_rows: int, dim: int, pieces:
       block_v = candidate
       break
   table_stages = _stages(lambda s: table_shared_bytes(dim_padded, pieces, num_fixed, s) <= budget)
+  smallest = VOCAB_BLOCKS[-1] if plan is None else plan.block_v
+  if sweep_registers(smallest, dim_padded, pieces) > REGISTER_VALUES:
+    raise ValueError(
+        f"no Mosaic GPU tile fits D={dim} with {pieces} operand piece(s): the logit tiles and "
+        f"the dh accumulator need {sweep_registers(smallest, dim_padded, pieces):.0f} float32 "
+        f"values per thread at block_v={smallest}, budget {REGISTER_VALUES}")
   if block_v is None or table_stages is None:
     raise ValueError(
         f"no Mosaic GPU tile fits D={dim} with {pieces} operand piece(s) and {num_fixed} fixed "
-        f"columns on {spec.name}: {sweep_shared_bytes(64, dim_padded, pieces, num_fixed, 2)} B "
-        f"of shared memory at the smallest tile, budget {budget:.0f} B")
+        f"columns on {spec.name}: "
+        f"{sweep_shared_bytes(smallest, dim_padded, pieces, num_fixed, MIN_STAGES)} B of shared "
+        f"memory at the smallest tile, budget {budget:.0f} B")
   # Never a tile much wider than the catalog.
   while block_v > VOCAB_BLOCKS[-1] and block_v // 2 >= num_items:
     block_v //= 2

@@ -170,3 +170,14 @@ def triton_kernels(compiled) -> list[str]:
       match = re.search(r"(cutbce_gpu_\w+)/pallas_call", line)
       names.append(match.group(1) if match else "?")
   return names
+
+
+def mosaic_kernels(compiled) -> list[str]:
+  """Names of the Mosaic GPU kernels in a compiled program (`cutbce_mosaic_...`)."""
+  names = []
+  for line in compiled.as_text().splitlines():
+    if 'custom_call_target="mosaic_gpu' in line:
+      match = re.search(r"(cutbce_mosaic_\w+?)(?:/|\")", line)
+      names.append(match.group(1) if match else "?")
+  return names
+

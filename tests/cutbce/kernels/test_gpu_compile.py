@@ -1,4 +1,4 @@
-"""The Pallas GPU kernels through XLA:GPU and Triton for H100 / H200, with no GPU attached.
+"""The Pallas Triton kernels (`backend="pallas_triton"`) through XLA:GPU and Triton for H100 / H200, with no GPU attached.
 
 `cutbce.kernels.gpu.compiled.compile_loss` compiles `value_and_grad(cut_bce)`
 (and `target_ranks`) for the one device of a `1x1x1` CUDA topology described
@@ -68,8 +68,8 @@ def test_loss_gradients_and_ranks_compile_for_hopper(case):
   target, tokens, vocab, dim, dtype, num_targets, bias, exclude, num_items, variant, reduction = case
   shapes = dict(tokens=tokens, vocab=vocab, dim=dim, dtype=jnp.dtype(dtype),
                 num_targets=num_targets, bias=bias, num_exclude=exclude, num_items=num_items)
-  loss = gpu_compiled.compile_loss(target, "pallas_gpu", reduction=reduction, **shapes, **variant)
-  ranks = gpu_compiled.compile_loss(target, "pallas_gpu", ranks=True, **shapes)
+  loss = gpu_compiled.compile_loss(target, "pallas_triton", reduction=reduction, **shapes, **variant)
+  ranks = gpu_compiled.compile_loss(target, "pallas_triton", ranks=True, **shapes)
   kernels = sorted(name.split("_bt")[0] for name in targets.triton_kernels(loss))
   if reduction == "none":  # two passes: forward, then dh and dE
     assert kernels == ["cutbce_gpu_de", "cutbce_gpu_dh", "cutbce_gpu_forward"], kernels
@@ -94,7 +94,7 @@ SOFTMAX_CASES = [
 def test_softmax_ce_compiles_for_hopper(case):
   target, tokens, vocab, dim, dtype, num_targets, bias, exclude, num_items, options = case
   loss = gpu_compiled.compile_loss(
-      target, "pallas_gpu", kind="softmax_ce", tokens=tokens, vocab=vocab, dim=dim,
+      target, "pallas_triton", kind="softmax_ce", tokens=tokens, vocab=vocab, dim=dim,
       dtype=jnp.dtype(dtype), num_targets=num_targets, bias=bias, num_exclude=exclude,
       num_items=num_items, **options)
   kernels = sorted(name.split("_bt")[0] for name in targets.triton_kernels(loss))
@@ -107,17 +107,17 @@ def test_softmax_ce_compiles_for_hopper(case):
 def test_temp_memory_is_flat_in_vocab_and_far_below_dense(target):
   shapes = dict(tokens=4096, dim=128, dtype=jnp.bfloat16, num_targets=8)
   temp = {}
-  for backend, vocab in (("pallas_gpu", 131_072), ("pallas_gpu", 1_048_576),
+  for backend, vocab in (("pallas_triton", 131_072), ("pallas_triton", 1_048_576),
                          ("xla", 131_072), ("dense", 131_072)):
     compiled = gpu_compiled.compile_loss(target, backend, vocab=vocab, **shapes)
     temp[backend, vocab] = compiled.memory_analysis().temp_size_in_bytes
   # The one temporary that grows with V is the float32 [V, D] table gradient
   # (the contract's f32 dE, cast to bf16 at the end; the XLA path has it too).
   # Everything else is flat: 8x the catalog changes it by less than 1 MiB.
-  rest = {vocab: temp["pallas_gpu", vocab] - 4 * vocab * 128 for vocab in (131_072, 1_048_576)}
+  rest = {vocab: temp["pallas_triton", vocab] - 4 * vocab * 128 for vocab in (131_072, 1_048_576)}
   assert abs(rest[1_048_576] - rest[131_072]) <= MIB, temp
   assert rest[131_072] <= 4 * 4096 * 128 * 8, temp  # a few f32 [T, D] blocks at most
-  small = temp["pallas_gpu", 131_072]
+  small = temp["pallas_triton", 131_072]
   one_logit_array = 4 * 4096 * 131_072
   assert temp["dense", 131_072] >= one_logit_array, temp
   assert small < one_logit_array / 16, temp

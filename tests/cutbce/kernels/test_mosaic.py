@@ -167,12 +167,15 @@ def test_split_pieces_reach_float32_precision():
 def test_planner_fits_shared_memory_and_registers_on_hopper():
   spec = targets.spec("h100")
   budget = mosaic_plan.SHARED_MEMORY_FRACTION * spec.shared_memory_per_block_optin
-  for dim in (24, 64, 128, 256):
+  for dim in (24, 64, 128, 192, 256):
     for pieces in (1, 3):
       try:
         geom = mosaic_plan.geometry(2048, 1_000_000, 1_000_000, dim, pieces, 9, spec=spec)
       except ValueError as error:
-        assert pieces == 3 and dim == 256, error  # f32 at D = 256 does not fit one CTA
+        # One warpgroup's registers hold a [64, D] f32 accumulator: up to D = 192 in
+        # bfloat16, 128 in float32 (whose split of G keeps a third logit tile live).
+        assert dim == 256 or (pieces == 3 and dim > 128), error
+        assert "float32 values per thread" in str(error), error
         continue
       assert mosaic_plan.sweep_shared_bytes(geom.block_v, geom.dim_padded, pieces, 9,
                                             geom.stages) <= budget
