@@ -19,7 +19,7 @@ that primitive when compiled and its exact meaning when interpreted:
 
 The dots take lists of operand pieces and the (i, j) pairs to multiply
 (`products`): one pair for bfloat16, six for float32 split into three
-bfloat16 pieces (`split_pieces`). Both forms multiply the same bfloat16
+bfloat16 pieces (`cutbce/kernels/gpu/pieces.py`). Both forms multiply the same bfloat16
 values exactly and accumulate in float32 (wgmma on the tensor cores,
 `np.matmul` in float32 in the interpreter), so the interpreter checks every
 other line of a kernel (indices, masks, pipeline slots, barriers, copies)
@@ -34,31 +34,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from cutbce.kernels.gpu.pieces import PRODUCTS, split_pieces  # noqa: F401  (re-exported)
+
 WGMMA = plgpu.Layout.WGMMA  # an [M, N] wgmma accumulator tile in registers
 ROWS = WGMMA.reduce(1)  # an [M] vector, one entry per row of such a tile
 COLUMNS = WGMMA.reduce(0)  # an [N] vector, one entry per column
-
-# The (i, j) piece products of one dot: a single bfloat16 product, or the six
-# of three-piece float32 splits whose sizes reach float32's precision
-# (i + j <= 2; the dropped ones are below 2^-24 of the result), smallest first.
-PRODUCTS = {1: ((0, 0),), 3: ((1, 1), (0, 2), (2, 0), (0, 1), (1, 0), (0, 0))}
-
-
-def split_pieces(x, num_pieces: int, piece_dtype=jnp.bfloat16):
-  """`num_pieces` arrays of `piece_dtype` summing to float32 `x` (to 2^-24 relative).
-
-  Each piece is the rest rounded: x = p0 + p1 + p2 + r with |r| <= 2^-24 |x|
-  for bfloat16's 8-bit significands (its exponent range is float32's, so no
-  piece underflows before float32 would). One piece is a plain cast.
-  """
-  rest = x.astype(jnp.float32)
-  pieces = []
-  for _ in range(num_pieces):
-    piece = rest.astype(piece_dtype)
-    pieces.append(piece)
-    rest = rest - piece.astype(jnp.float32)
-  return pieces
-
 
 def zeros(shape, layout, interpret: bool):
   """float32 zeros in `layout` (a loop carry the compiler must place)."""

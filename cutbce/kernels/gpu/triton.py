@@ -35,10 +35,11 @@ registers, never in memory); logit columns past `num_items` are masked out of
 every sum. How a kernel runs is chosen when the program is lowered (`_run`):
 for CUDA it is compiled by Triton; anywhere else it runs in Pallas'
 interpreter, whose out-of-bounds reads are NaN, so a missing mask fails the
-tests. Every dot is `_dot`: float32 operands multiply in IEEE float32 (Pallas'
-Triton lowering turns a dot without a precision into a TF32 one, 10-bit
-mantissas: on an H200 that put the float32 loss 5e-6 off the float64 oracle),
-bfloat16 operands multiply exactly and accumulate in float32.
+tests. Every dot is `_dot`: float32 operands as six bfloat16 piece products
+on the tensor cores (`pieces.py`; Pallas' Triton lowering turns a float32
+dot without a precision into a TF32 one, 10-bit mantissas: on an H200 that
+put the float32 loss 5e-6 off the float64 oracle, and with precision
+HIGHEST into FMA loops), bfloat16 operands once; float32 accumulation.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from cutbce import variants
 from cutbce.kernels.gpu import plan as gpu_plan
+from cutbce.kernels.gpu.pieces import PRODUCTS, split_pieces
 from cutbce.kernels.gpu.plan import Geometry
 from cutbce.kernels.tiling import TilePlan
 from cutbce.variants import LossOptions
@@ -67,9 +69,21 @@ NN_DIMS = (((1,), (0,)), ((), ()))  # [M, K] x [K, N] -> [M, N]
 
 
 def _dot(a, b, dims):
-  """`lax.dot_general` at full precision (IEEE for float32, never TF32), float32 out."""
-  return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32)
+  """`lax.dot_general` on the tensor cores at the operands' precision, float32 out.
+
+  float32 operands are split into three bfloat16 pieces and multiplied as the
+  six piece products that reach float32's precision (`pieces.py`): never
+  TF32 (10-bit mantissas), never the FMA loops Triton makes of a float32 dot
+  at precision HIGHEST. bfloat16 operands multiply exactly once.
+  """
+  if a.dtype != jnp.float32:
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+  a_pieces, b_pieces = split_pieces(a, 3), split_pieces(b, 3)
+  total = None
+  for i, j in PRODUCTS[3]:
+    product = lax.dot_general(a_pieces[i], b_pieces[j], dims, preferred_element_type=jnp.float32)
+    total = product if total is None else total + product
+  return total
 
 
 def _run(impl, *operands, **static):
