@@ -150,7 +150,8 @@ def plan_tiles(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
   del num_tokens, vocab
   spec = spec or current_spec()
   dim_padded = max(MIN_DOT, next_power_of_two(dim))
-  itemsize = jnp.dtype(dtype).itemsize
+  # A float32 operand is staged as three bfloat16 pieces (`pieces.py`): 6 bytes.
+  itemsize = 6 if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype).itemsize
   register_budget = REGISTER_FRACTION * spec.registers_per_block_limit
   shared_budget = SHARED_MEMORY_FRACTION * spec.shared_memory_per_block_optin
   for block_t, block_v in TILE_CHOICES:

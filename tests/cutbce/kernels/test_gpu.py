@@ -198,7 +198,7 @@ def test_unsupported_inputs_and_plans_raise_not_implemented():
                    plan=TilePlan(block_v=100))
   # D is padded to 1024: the backward's float32 [16, 1024] dh accumulator
   # alone is half of the registers the planner lets a program use.
-  with pytest.raises(NotImplementedError, match="no GPU tile fits the backward kernel at D=1000"):
+  with pytest.raises(NotImplementedError, match="no GPU tile fits the (forward|backward) kernel at D=1000"):
     cutbce.cut_bce(jnp.ones((4, 1000)), jnp.ones((10, 1000)), targets, backend="pallas_triton")
 
 
