@@ -193,8 +193,8 @@ def test_bce_confident_targets_as_accurate_as_dense(route, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("route", ["xla", "xla-none", "pallas_tpu",
-                                   "pallas_triton", "sharded"])
+@pytest.mark.parametrize("route", ["xla", "xla-none", "pallas_tpu", "pallas_triton",
+                                   "pallas_gpu", "pallas_gpu-none", "sharded"])
 def test_softmax_confident_targets_as_accurate_as_dense(route, dtype):
   reduction = "mean"
   if route == "sharded":

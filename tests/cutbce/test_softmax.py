@@ -89,7 +89,9 @@ OPTIONS = [
 CASES = ([("xla", o) for o in OPTIONS] + [("dense", OPTIONS[0]), ("dense", OPTIONS[4]),
                                           ("auto", OPTIONS[2]), ("pallas_tpu", OPTIONS[0]),
                                           ("pallas_tpu", OPTIONS[4]), ("pallas_triton", OPTIONS[0]),
-                                          ("pallas_triton", OPTIONS[1]), ("pallas_triton", OPTIONS[4])])
+                                          ("pallas_triton", OPTIONS[1]), ("pallas_triton", OPTIONS[4]),
+                                          ("pallas_gpu", OPTIONS[0]), ("pallas_gpu", OPTIONS[1]),
+                                          ("pallas_gpu", OPTIONS[4])])
 
 
 @pytest.mark.parametrize("backend,options", CASES,
@@ -99,7 +101,7 @@ def test_f32_matches_the_float64_oracle(backend, options):
   _check(_run(backend, args, **dict(options)), _oracle(args, **dict(options)), 2e-6, 2e-5)
 
 
-@pytest.mark.parametrize("backend", ["xla", "dense", "pallas_triton"])
+@pytest.mark.parametrize("backend", ["xla", "dense", "pallas_triton", "pallas_gpu"])
 def test_bf16_matches_the_oracle_on_the_bf16_values(backend):
   args = _inputs("bfloat16")
   got = _run(backend, args, label_smoothing=0.1)

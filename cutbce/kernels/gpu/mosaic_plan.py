@@ -88,23 +88,23 @@ def sweep_registers(block_v: int, dim_padded: int, pieces: int) -> float:
   return (tiles * BLOCK_T * block_v + BLOCK_T * dim_padded) / THREADS
 
 
-def sweep_shared_bytes(block_v: int, dim_padded: int, pieces: int, num_fixed: int,
+def sweep_shared_bytes(block_v: int, dim_padded: int, pieces: int, token_rows: int,
                        stages: int) -> int:
-  """Shared memory of one sweep CTA (bytes)."""
+  """Shared memory of one sweep CTA (bytes); `token_rows` 4-byte values per token."""
   resident = pieces * BLOCK_T * dim_padded * PIECE_BYTES  # hidden tile pieces
   resident += pieces * BLOCK_T * block_v * PIECE_BYTES  # gradient tile pieces (dot operand)
   resident += BLOCK_T * dim_padded * 4 + 3 * BLOCK_T * 4  # dh, sums, counts staging (f32)
-  resident += (1 + 2 * num_fixed) * BLOCK_T * 4  # scale, fixed ids and values
+  resident += token_rows * BLOCK_T * 4  # g, fixed ids and values, ...
   streamed = pieces * block_v * dim_padded * PIECE_BYTES + block_v * 4  # table pieces, bias
   return resident + stages * streamed
 
 
-def table_shared_bytes(dim_padded: int, pieces: int, num_fixed: int, stages: int) -> int:
-  """Shared memory of one dE CTA (bytes)."""
+def table_shared_bytes(dim_padded: int, pieces: int, token_rows: int, stages: int) -> int:
+  """Shared memory of one dE CTA (bytes); `token_rows` 4-byte values per token."""
   resident = pieces * TABLE_BLOCK_V * dim_padded * PIECE_BYTES + TABLE_BLOCK_V * 4
   resident += pieces * BLOCK_T * TABLE_BLOCK_V * PIECE_BYTES  # gradient tile pieces
   resident += TABLE_BLOCK_V * dim_padded * 4 + TABLE_BLOCK_V * 4  # dE, db staging
-  streamed = pieces * BLOCK_T * dim_padded * PIECE_BYTES + (1 + 2 * num_fixed) * BLOCK_T * 4
+  streamed = pieces * BLOCK_T * dim_padded * PIECE_BYTES + token_rows * BLOCK_T * 4
   return resident + stages * streamed
 
 
@@ -130,8 +130,11 @@ def plan_problem(plan: TilePlan | None) -> str | None:
 
 def geometry(num_tokens: int, num_items: int, vocab_rows: int, dim: int, pieces: int,
              num_fixed: int, plan: TilePlan | None = None,
-             spec: targets.GpuSpec | None = None) -> Geometry:
+             spec: targets.GpuSpec | None = None, token_rows: int | None = None) -> Geometry:
   """The plan of one call for the device planned for (`plan.current_spec`).
+
+  `token_rows` counts the 4-byte per-token operands the kernels stage (g,
+  fixed ids and values, ...; default 1 + 2 `num_fixed`).
 
   Raises:
     ValueError: D is too wide, `plan` breaks the tile rules, or nothing fits.
@@ -143,6 +146,7 @@ def geometry(num_tokens: int, num_items: int, vocab_rows: int, dim: int, pieces:
   if problem:
     raise ValueError(f"TilePlan {plan} cannot tile the Mosaic GPU kernels: {problem}")
   dim_padded = round_up(dim, DIM_ALIGN)
+  token_rows = 1 + 2 * num_fixed if token_rows is None else token_rows
   budget = SHARED_MEMORY_FRACTION * spec.shared_memory_per_block_optin
   candidates = (plan.block_v,) if plan is not None else VOCAB_BLOCKS
   block_v = stages = None
@@ -150,11 +154,11 @@ def geometry(num_tokens: int, num_items: int, vocab_rows: int, dim: int, pieces:
     if sweep_registers(candidate, dim_padded, pieces) > REGISTER_VALUES:
       continue
     stages = _stages(lambda s, v=candidate: sweep_shared_bytes(
-        v, dim_padded, pieces, num_fixed, s) <= budget)
+        v, dim_padded, pieces, token_rows, s) <= budget)
     if stages is not None:
       block_v = candidate
       break
-  table_stages = _stages(lambda s: table_shared_bytes(dim_padded, pieces, num_fixed, s) <= budget)
+  table_stages = _stages(lambda s: table_shared_bytes(dim_padded, pieces, token_rows, s) <= budget)
   smallest = VOCAB_BLOCKS[-1] if plan is None else plan.block_v
   if sweep_registers(smallest, dim_padded, pieces) > REGISTER_VALUES:
     raise ValueError(
@@ -165,7 +169,7 @@ def geometry(num_tokens: int, num_items: int, vocab_rows: int, dim: int, pieces:
     raise ValueError(
         f"no Mosaic GPU tile fits D={dim} with {pieces} operand piece(s) and {num_fixed} fixed "
         f"columns on {spec.name}: "
-        f"{sweep_shared_bytes(smallest, dim_padded, pieces, num_fixed, MIN_STAGES)} B of shared "
+        f"{sweep_shared_bytes(smallest, dim_padded, pieces, token_rows, MIN_STAGES)} B of shared "
         f"memory at the smallest tile, budget {budget:.0f} B")
   # Never a tile much wider than the catalog.
   while block_v > VOCAB_BLOCKS[-1] and block_v // 2 >= num_items:

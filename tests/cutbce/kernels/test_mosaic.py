@@ -201,3 +201,26 @@ def test_bad_plans_and_shapes_are_refused_with_the_reason():
     cutbce.cut_bce(jnp.ones((4, 8), jnp.float16), jnp.ones((10, 8), jnp.float16), targets_,
                    backend="pallas_gpu")
   assert mosaic.unsupported_reason(4, 10, 8, jnp.float32, jnp.float32) is None
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_softmax_runs_the_mosaic_kernels_and_wraps_the_pipelines(six_sm_gpu, dtype):
+  """cut_softmax_ce on the Mosaic kernels (forward sweep, dh sweep, table kernel) against
+  the XLA path: exclusion, label smoothing, padding rows, buffers refilled."""
+  del six_sm_gpu
+  raw = cases.make_case(cases.Case((3, 109), 1003, 24, 2, 3, 64), seed=6, logit_scale=2.0)
+  args = _jnp(raw, dtype)
+  kwargs = dict(num_items=NUM_ITEMS, label_smoothing=0.1)
+  value, stats, grads, jaxpr = _run(cutbce.cut_softmax_ce, args, backend="pallas_gpu",
+                                    plan=PLAN, **kwargs)
+  want, want_stats, want_grads, _ = _run(cutbce.cut_softmax_ce, args, backend="xla", **kwargs)
+  for name in ("softmax_sweep_loss", "softmax_sweep_dh", "softmax_table_grad"):
+    assert f"cutbce_mosaic_{name}" in jaxpr, name
+  assert "cutbce_gpu_" not in jaxpr
+  if dtype == jnp.float32:
+    np.testing.assert_allclose(float(value), float(want), rtol=2e-6)
+    _assert_grads(grads, want_grads, 1e-4, 1e-6)
+    np.testing.assert_allclose(np.array(stats), np.array(want_stats), rtol=1e-6)
+  else:  # both round each gradient tile to bfloat16 for its dots, in different tiles
+    np.testing.assert_allclose(float(value), float(want), rtol=1e-3)
+    _assert_grads(grads, want_grads, 3e-2, 2e-2)

@@ -1,0 +1,487 @@
+"""The Mosaic GPU kernel bodies: the sweep over token tiles and the table-gradient kernel.
+
+Both kernels make each `[64, block]` float32 logit tile once, on the tensor
+cores, and keep it in registers; `cutbce/kernels/gpu/mosaic.py` prepares
+their operands and honours the backend contract with them. A call is
+described statically by `Flags` (the loss: "bce" or "softmax"; which
+outputs) and `Side` (which per-token operands it has):
+
+  vectors  `[Tp]` per token: scale (g_t), log_z and offset (softmax
+           backward), limit (int32: a vocabulary shard's real rows)
+  lists    `[n, Tp]` per token (ids transposed so a token tile is a
+           contiguous block for TMA): fixed_ids (int32) and fixed_values
+           (f32), the columns whose gradient is set exactly; exclude
+           (int32), ids out of a softmax.
+
+  sweep   grid (token tiles, vocab splits); the token side resident in
+          shared memory, `block_v`-row table tiles (and bias) streamed
+          through `stages` TMA buffers. BCE: loss sums, counts, dh.
+          Softmax: running (max, sum of exp) and counts (forward) or dh
+          (backward). Per split outputs, combined by the caller.
+  table   grid (vocab tiles of 64 rows); the table tile resident, the token
+          side streamed: dE += G^T H and db += sum_t G.
+
+One exp and one reciprocal per logit for BCE (`bce_tile`), one exp for the
+softmax. The compiled/interpreted differences live in `mosaic_ops`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from cutbce.kernels.gpu import mosaic_ops as ops
+from cutbce.kernels.gpu.mosaic_plan import BLOCK_T, TABLE_BLOCK_V, Geometry
+
+VECTOR_FIELDS = ("scale", "log_z", "offset", "limit")
+LIST_FIELDS = ("fixed_ids", "fixed_values", "exclude")
+_INT_FIELDS = ("limit", "fixed_ids", "exclude")
+# The softmax's running max starts here: finite, so a tile of masked (-inf)
+# logits gives exp(-inf - floor) = 0, never a NaN.
+SOFTMAX_FLOOR = float(jnp.finfo(jnp.float32).min)
+_TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+class Flags(NamedTuple):
+  """What one kernel call computes (static)."""
+
+  kind: str  # "bce" or "softmax"
+  has_bias: bool
+  with_loss: bool  # BCE: softplus sums; softmax: running (max, sum)
+  with_counts: bool
+  with_grad: bool  # dh (sweep); the table kernel always makes dE
+
+
+class Side(NamedTuple):
+  """The per-token operands present (static): vector names, (list name, rows) pairs."""
+
+  vectors: tuple
+  lists: tuple
+
+  @property
+  def names(self) -> tuple:
+    return self.vectors + tuple(name for name, _ in self.lists)
+
+  @property
+  def rows(self) -> int:
+    """4-byte values per token (for the planner's shared memory estimate)."""
+    return len(self.vectors) + sum(rows for _, rows in self.lists)
+
+
+def side_of(arrays: dict) -> Side:
+  """The `Side` of a {name: array or None} dict (`[Tp]` vectors, `[n, Tp]` lists)."""
+  vectors = tuple(name for name in VECTOR_FIELDS if arrays.get(name) is not None)
+  lists = tuple((name, arrays[name].shape[0]) for name in LIST_FIELDS
+                if arrays.get(name) is not None and arrays[name].shape[0])
+  return Side(vectors, lists)
+
+
+# --------------------------------------------------------------------------- #
+# Tiles.                                                                       #
+# --------------------------------------------------------------------------- #
+
+
+def _rows(vector, shape):
+  """An `[M]` vector (one value per row) broadcast over an `[M, N]` tile."""
+  return lax.broadcast_in_dim(vector, shape, (0,))
+
+
+def _columns(vector, shape):
+  """An `[N]` vector (one value per column) broadcast over an `[M, N]` tile."""
+  return lax.broadcast_in_dim(vector, shape, (1,))
+
+
+def _counted(columns, geom: Geometry, side: dict):
+  """`[64, block]` bool: the tile's columns that are items (< num_items, < the token's limit)."""
+  valid = columns < geom.num_items
+  if "limit" in side:
+    valid = valid & (columns < _rows(side["limit"], columns.shape))
+  return valid
+
+
+def _set_fixed(grad, columns, side: dict):
+  """G with each token's fixed columns set to their exact float32 values (before the split)."""
+  for ids, values in zip(side.get("fixed_ids", ()), side.get("fixed_values", ())):
+    grad = jnp.where(columns == _rows(ids, grad.shape), _rows(values, grad.shape), grad)
+  return grad
+
+
+def bce_tile(logits, columns, geom: Geometry, side: dict, *, with_loss=False, with_counts=False,
+             with_grad=False):
+  """(loss row sums, count row sums, G) of one BCE tile, None where not asked.
+
+  One exp and one reciprocal per logit: e = exp(-|x|), r = 1 / (1 + e);
+  sigmoid(x) = [x >= 0 ? 1 : e] r and log1p(e) = log(u) - ((u - 1) - e) r
+  with u = 1 + e rounded: (u - 1) - e is u's rounding error, exact in
+  float32, and log(u) - d / u is log(u - d) to first order, so the small e
+  of confident logits are not lost to the rounding of 1 + e. (log lowers to
+  a polynomial, not a MUFU instruction.)
+  """
+  valid = _counted(columns, geom, side)
+  decay = jnp.exp(-jnp.abs(logits))
+  one_plus = 1.0 + decay
+  inverse = 1.0 / one_plus
+  loss = counts = grad = None
+  if with_loss:
+    log1p = jnp.log(one_plus) - ((one_plus - 1.0) - decay) * inverse
+    loss = jnp.sum(jnp.where(valid, jnp.maximum(logits, 0.0) + log1p, 0.0), axis=1)
+  if with_counts:
+    counts = jnp.sum(jnp.where(valid & (logits > 0.0), 1.0, 0.0), axis=1)
+  if with_grad:
+    sigmoid = jnp.where(logits >= 0.0, 1.0, decay) * inverse
+    grad = jnp.where(valid, _rows(side["scale"], logits.shape) * sigmoid, 0.0)
+    grad = _set_fixed(grad, columns, side)
+  return loss, counts, grad
+
+
+def _softmax_items(columns, geom: Geometry, side: dict):
+  """(counted, items) `[64, block]` bool: counted at x > 0, and in the token's softmax."""
+  counted = _counted(columns, geom, side)
+  items = counted
+  for ids in side.get("exclude", ()):  # E is small and static: unrolled
+    items = items & (columns != _rows(ids, columns.shape))
+  return counted, items
+
+
+def softmax_grad_tile(logits, columns, geom: Geometry, side: dict):
+  """G = g exp(x - log_z) - o on the token's softmax items (0 elsewhere), fixed columns set."""
+  _, items = _softmax_items(columns, geom, side)
+  shape = logits.shape
+  grad = _rows(side["scale"], shape) * jnp.exp(logits - _rows(side["log_z"], shape))
+  if "offset" in side:
+    grad = grad - _rows(side["offset"], shape)
+  return _set_fixed(jnp.where(items, grad, 0.0), columns, side)
+
+
+def _grad_tile(kind, logits, columns, geom, side):
+  if kind == "bce":
+    return bce_tile(logits, columns, geom, side, with_grad=True)[2]
+  return softmax_grad_tile(logits, columns, geom, side)
+
+
+def _store_pieces(grad, smem_refs):
+  """G split into bfloat16 pieces (`pieces.split_pieces`), into the shared memory the next dot reads.
+
+  Each piece is stored as soon as it is made, so at most G's rest and one
+  piece are live in registers.
+  """
+  rest = grad
+  for index, ref in enumerate(smem_refs):
+    piece = rest.astype(ref.dtype)
+    ref[...] = piece
+    if index + 1 < len(smem_refs):
+      rest = rest - piece.astype(jnp.float32)
+  plgpu.commit_smem()
+
+
+def _smem(shape, dtype=jnp.bfloat16, tiled=False):
+  return plgpu.SMEM(shape, dtype, transforms=_TILE_TRANSFORMS if tiled else ())
+
+
+def _side_smem(side: Side, leading=()):
+  """Shared memory for the token side: `[*leading, 64]` per vector, `[*leading, n, 64]` per list."""
+  return {**{name: _smem((*leading, BLOCK_T), jnp.int32 if name in _INT_FIELDS else jnp.float32)
+             for name in side.vectors},
+          **{name: _smem((*leading, rows, BLOCK_T),
+                         jnp.int32 if name in _INT_FIELDS else jnp.float32)
+             for name, rows in side.lists}}
+
+
+def _side_source(ref, name: str, side: Side, tokens):
+  """The token tile `tokens` of one side operand in global memory."""
+  return ref.at[tokens] if name in side.vectors else ref.at[:, tokens]
+
+
+def _load_side(smem: dict, side: Side, interpret: bool, slot=None) -> dict:
+  """The token side in registers: `[64]` row vectors, lists of them."""
+  at = (lambda ref: ref) if slot is None else (lambda ref: ref.at[slot])  # noqa: E731
+  values = {name: ops.load_vector(at(smem[name]), ops.ROWS, interpret) for name in side.vectors}
+  for name, rows in side.lists:
+    values[name] = [ops.load_vector(at(smem[name]).at[k], ops.ROWS, interpret)
+                    for k in range(rows)]
+  return values
+
+
+# --------------------------------------------------------------------------- #
+# The sweep over token tiles.                                                  #
+# --------------------------------------------------------------------------- #
+
+
+def _sweep_kernel(*refs, geom: Geometry, flags: Flags, side: Side, interpret: bool):
+  pl.run_scoped(functools.partial(_sweep_body, refs, geom=geom, flags=flags, side=side,
+                                  interpret=interpret), *_sweep_scratch(geom, flags, side))
+
+
+def _sweep_outputs(flags: Flags) -> tuple:
+  """Names of the sweep's outputs, in order."""
+  if flags.kind == "softmax" and flags.with_loss:
+    return ("max", "sum") + (("counts",) if flags.with_counts else ())
+  return ((("dh",) if flags.with_grad else ()) + (("loss",) if flags.with_loss else ())
+          + (("counts",) if flags.with_counts else ()))
+
+
+def _sweep_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
+  pieces, block_v, stages = geom.pieces, geom.block_v, geom.stages
+  refs = list(refs)
+  hidden_refs = [refs.pop(0) for _ in range(pieces)]  # [Tp, Dp] bf16 each
+  table_refs = [refs.pop(0) for _ in range(pieces)]  # [Vp, Dp] bf16 each
+  bias_ref = refs.pop(0) if flags.has_bias else None  # [Vp] f32
+  side_refs = {name: refs.pop(0) for name in side.names}  # [Tp] or [n, Tp]
+  out_refs = {name: refs.pop(0) for name in _sweep_outputs(flags)}  # [splits, Tp(, Dp)] f32
+  (hidden_smem, table_smem, bias_smem, side_smem, grad_smem, dh_smem, sums_smem,
+   resident_barrier, stream_barriers) = scratch
+
+  token_start = lax.axis_index("tokens") * BLOCK_T
+  split = lax.axis_index("splits")
+  first = split * geom.tiles_per_split
+  num_tiles = jnp.minimum(first + geom.tiles_per_split, geom.num_vocab_tiles) - first
+  tokens = pl.ds(token_start, BLOCK_T)
+
+  resident = [(ref.at[tokens], smem) for ref, smem in zip(hidden_refs, hidden_smem)]
+  resident += [(_side_source(side_refs[name], name, side, tokens), side_smem[name])
+               for name in side.names]
+  for index, (src, dst) in enumerate(resident):
+    plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[index])
+
+  def issue(tile, slot):  # table tile `first + tile` (and its bias) into buffer `slot`
+    rows = pl.ds((first + tile) * block_v, block_v)
+    for ref, smem, barrier in zip(table_refs, table_smem, stream_barriers):
+      plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], barrier.at[slot])
+    if flags.has_bias:
+      plgpu.copy_gmem_to_smem(bias_ref.at[rows], bias_smem.at[slot], stream_barriers[-1].at[slot])
+
+  for slot in range(stages):
+    pl.when(slot < num_tiles)(functools.partial(issue, slot, slot))
+  for index in range(len(resident)):
+    plgpu.barrier_wait(resident_barrier.at[index])
+  products = ops.PRODUCTS[pieces]
+  softmax_forward = flags.kind == "softmax" and flags.with_loss
+
+  def step(tile, carry):
+    slot = lax.rem(tile, stages)
+    for barrier in stream_barriers:
+      plgpu.barrier_wait(barrier.at[slot])
+    table_tile = [smem.at[slot] for smem in table_smem]
+    logits = ops.dot_nt(hidden_smem, table_tile, products, interpret)  # [64, block_v] f32
+    if flags.has_bias:
+      logits = logits + _columns(ops.load_vector(bias_smem.at[slot], ops.COLUMNS, interpret),
+                                 logits.shape)
+    columns = (first + tile) * block_v + ops.iota((BLOCK_T, block_v), 1, interpret)
+    values = _load_side(side_smem, side, interpret)
+    if softmax_forward:
+      carry = _softmax_step(carry, logits, columns, geom, values, flags.with_counts)
+    else:
+      loss, counts, dh = carry
+      tile_loss, tile_counts, grad = (
+          bce_tile(logits, columns, geom, values, with_loss=flags.with_loss,
+                   with_counts=flags.with_counts, with_grad=flags.with_grad)
+          if flags.kind == "bce" else (None, None, softmax_grad_tile(logits, columns, geom,
+                                                                     values)))
+      if flags.with_loss:
+        loss = loss + tile_loss
+      if flags.with_counts:
+        counts = counts + tile_counts
+      if flags.with_grad:
+        _store_pieces(grad, grad_smem)
+        dh = ops.dot_acc(dh, grad_smem, table_tile, products, interpret)  # [64, Dp] f32
+      carry = loss, counts, dh
+    # Every read of the slot is done (the dots waited): refill it.
+    refill = tile + stages
+    pl.when(refill < num_tiles)(lambda: issue(refill, slot))
+    return carry
+
+  rows_zero = ops.zeros((BLOCK_T,), ops.ROWS, interpret)
+  if softmax_forward:
+    init = (rows_zero + SOFTMAX_FLOOR, rows_zero, rows_zero)
+  else:
+    init = (rows_zero, rows_zero,
+            ops.zeros((BLOCK_T, geom.dim_padded), ops.WGMMA, interpret) if flags.with_grad
+            else rows_zero)
+  carry = lax.fori_loop(0, num_tiles, step, init)
+  results = dict(zip(("max", "sum", "counts"), carry) if softmax_forward
+                 else zip(("loss", "counts", "dh"), carry))
+  staged = []
+  for index, name in enumerate(_sweep_outputs(flags)):
+    if name == "dh":
+      dh_smem[...] = results["dh"]
+      staged.append((dh_smem, out_refs["dh"].at[split, tokens]))
+    else:
+      sums_smem.at[index][...] = results[name]
+      staged.append((sums_smem.at[index], out_refs[name].at[split, tokens]))
+  plgpu.commit_smem()
+  for src, dst in staged:
+    plgpu.copy_smem_to_gmem(src, dst)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _softmax_step(carry, logits, columns, geom, side, with_counts):
+  """The running (max, sum of exp) and counts of one softmax tile."""
+  row_max, row_sum, counts = carry
+  counted, items = _softmax_items(columns, geom, side)
+  if with_counts:
+    counts = counts + jnp.sum(jnp.where(counted & (logits > 0.0), 1.0, 0.0), axis=1)
+  masked = jnp.where(items, logits, -jnp.inf)
+  new_max = jnp.maximum(row_max, jnp.max(masked, axis=1))
+  row_sum = (row_sum * jnp.exp(row_max - new_max)
+             + jnp.sum(jnp.exp(masked - _rows(new_max, masked.shape)), axis=1))
+  return new_max, row_sum, counts
+
+
+def _sweep_scratch(geom: Geometry, flags: Flags, side: Side):
+  pieces, stages, dim, block_v = geom.pieces, geom.stages, geom.dim_padded, geom.block_v
+  return (
+      [_smem((BLOCK_T, dim), tiled=True) for _ in range(pieces)],  # hidden pieces
+      [_smem((stages, block_v, dim), tiled=True) for _ in range(pieces)],  # table pieces
+      _smem((stages, block_v), jnp.float32) if flags.has_bias else None,
+      _side_smem(side),
+      [_smem((BLOCK_T, block_v), tiled=True) for _ in range(pieces)] if flags.with_grad
+      else None,  # G pieces
+      _smem((BLOCK_T, dim), jnp.float32) if flags.with_grad else None,  # dh staging
+      _smem((3, BLOCK_T), jnp.float32),  # row sums staging
+      plgpu.Barrier(num_barriers=pieces + len(side.names)),
+      [plgpu.Barrier(num_barriers=stages) for _ in range(pieces + flags.has_bias)],
+  )
+
+
+def sweep(hidden, table, bias, side_arrays: dict, *, geom: Geometry, flags: Flags,
+          interpret: bool, params) -> dict:
+  """{output name: per-split array} of one sweep call (`_sweep_outputs`); operands padded."""
+  side = side_of(side_arrays)
+  inputs = [*hidden, *table] + ([bias] if flags.has_bias else [])
+  inputs += [side_arrays[name] for name in side.names]
+  splits, tokens = geom.vocab_splits, geom.tokens_padded
+  names = _sweep_outputs(flags)
+  out_type = [jax.ShapeDtypeStruct((splits, tokens, geom.dim_padded) if name == "dh"
+                                   else (splits, tokens), jnp.float32) for name in names]
+  kernel = functools.partial(_sweep_kernel, geom=geom, flags=flags, side=side,
+                             interpret=interpret)
+  kernel.__name__ = (f"cutbce_mosaic_{'softmax_' if flags.kind == 'softmax' else ''}sweep_"
+                     f"{'loss_' if flags.with_loss else ''}{'dh_' if flags.with_grad else ''}"
+                     f"bv{geom.block_v}_s{geom.stages}")
+  outputs = plgpu.kernel(kernel, out_type=out_type, grid=(geom.num_token_tiles, splits),
+                         grid_names=("tokens", "splits"), interpret=params)(*inputs)
+  return dict(zip(names, outputs))
+
+
+# --------------------------------------------------------------------------- #
+# The table gradient over vocab tiles.                                         #
+# --------------------------------------------------------------------------- #
+
+
+def _table_kernel(*refs, geom: Geometry, flags: Flags, side: Side, interpret: bool):
+  pl.run_scoped(functools.partial(_table_body, refs, geom=geom, flags=flags, side=side,
+                                  interpret=interpret), *_table_scratch(geom, flags, side))
+
+
+def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
+  pieces, stages, has_bias = geom.pieces, geom.table_stages, flags.has_bias
+  refs = list(refs)
+  hidden_refs = [refs.pop(0) for _ in range(pieces)]  # [Tp, Dp] bf16 each
+  table_refs = [refs.pop(0) for _ in range(pieces)]  # [Vp, Dp] bf16 each
+  bias_ref = refs.pop(0) if has_bias else None  # [Vp] f32
+  side_refs = {name: refs.pop(0) for name in side.names}  # [Tp] or [n, Tp]
+  table_grad_ref = refs.pop(0)  # [Vp, Dp] f32
+  bias_grad_ref = refs.pop(0) if has_bias else None  # [Vp] f32
+  (table_smem, bias_smem, hidden_smem, side_smem, grad_smem, table_grad_smem, bias_grad_smem,
+   resident_barrier, stream_barriers) = scratch
+
+  vocab_start = lax.axis_index("vocab") * TABLE_BLOCK_V
+  rows = pl.ds(vocab_start, TABLE_BLOCK_V)
+  resident = [(ref.at[rows], smem) for ref, smem in zip(table_refs, table_smem)]
+  if has_bias:
+    resident.append((bias_ref.at[rows], bias_smem))
+  for index, (src, dst) in enumerate(resident):
+    plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[index])
+
+  # Streams, one barrier array each: the hidden pieces, then the token side.
+  streams = [(functools.partial(lambda r, tokens: r.at[tokens], ref), smem)
+             for ref, smem in zip(hidden_refs, hidden_smem)]
+  streams += [(functools.partial(_side_source, side_refs[name], name, side), side_smem[name])
+              for name in side.names]
+
+  def issue(tile, slot):  # token tile `tile` into buffer `slot`
+    tokens = pl.ds(tile * BLOCK_T, BLOCK_T)
+    for (source, smem), barrier in zip(streams, stream_barriers):
+      plgpu.copy_gmem_to_smem(source(tokens), smem.at[slot], barrier.at[slot])
+
+  num_tiles = geom.num_token_tiles
+  for slot in range(min(stages, num_tiles)):
+    issue(slot, slot)
+  for index in range(len(resident)):
+    plgpu.barrier_wait(resident_barrier.at[index])
+  bias = ops.load_vector(bias_smem, ops.COLUMNS, interpret) if has_bias else None
+  products = ops.PRODUCTS[pieces]
+
+  def step(tile, carry):
+    table_grad, bias_grad = carry
+    slot = lax.rem(tile, stages)
+    for barrier in stream_barriers:
+      plgpu.barrier_wait(barrier.at[slot])
+    hidden_tile = [smem.at[slot] for smem in hidden_smem]
+    logits = ops.dot_nt(hidden_tile, table_smem, products, interpret)  # [64 tokens, 64 items]
+    if has_bias:
+      logits = logits + _columns(bias, logits.shape)
+    # Made in the step, not held across it: a tile of indices is 32 registers.
+    columns = vocab_start + ops.iota((BLOCK_T, TABLE_BLOCK_V), 1, interpret)
+    grad = _grad_tile(flags.kind, logits, columns, geom,
+                      _load_side(side_smem, side, interpret, slot))
+    if has_bias:
+      bias_grad = bias_grad + jnp.sum(grad, axis=0)
+    _store_pieces(grad, grad_smem)
+    # dE += G^T H: [64 items, 64 tokens] x [64 tokens, Dp].
+    table_grad = ops.dot_acc(table_grad, grad_smem, hidden_tile, products, interpret,
+                             transpose_a=True)
+    refill = tile + stages
+    pl.when(refill < num_tiles)(lambda: issue(refill, slot))
+    return table_grad, bias_grad
+
+  init = (ops.zeros((TABLE_BLOCK_V, geom.dim_padded), ops.WGMMA, interpret),
+          ops.zeros((TABLE_BLOCK_V,), ops.COLUMNS, interpret))
+  table_grad, bias_grad = lax.fori_loop(0, num_tiles, step, init)
+  table_grad_smem[...] = table_grad
+  if has_bias:
+    bias_grad_smem[...] = bias_grad
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(table_grad_smem, table_grad_ref.at[rows])
+  if has_bias:
+    plgpu.copy_smem_to_gmem(bias_grad_smem, bias_grad_ref.at[rows])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _table_scratch(geom: Geometry, flags: Flags, side: Side):
+  pieces, stages, dim = geom.pieces, geom.table_stages, geom.dim_padded
+  return (
+      [_smem((TABLE_BLOCK_V, dim), tiled=True) for _ in range(pieces)],  # table tile pieces
+      _smem((TABLE_BLOCK_V,), jnp.float32) if flags.has_bias else None,
+      [_smem((stages, BLOCK_T, dim), tiled=True) for _ in range(pieces)],  # hidden pieces
+      _side_smem(side, (stages,)),
+      [_smem((BLOCK_T, TABLE_BLOCK_V), tiled=True) for _ in range(pieces)],  # G pieces
+      _smem((TABLE_BLOCK_V, dim), jnp.float32),  # dE staging
+      _smem((TABLE_BLOCK_V,), jnp.float32) if flags.has_bias else None,  # db staging
+      plgpu.Barrier(num_barriers=pieces + flags.has_bias),
+      [plgpu.Barrier(num_barriers=stages) for _ in range(pieces + len(side.names))],
+  )
+
+
+def table_grad(hidden, table, bias, side_arrays: dict, *, geom: Geometry, flags: Flags,
+               interpret: bool, params):
+  """(dE `[Vp, Dp]` f32, db `[Vp]` f32 or None) of one table call; operands padded."""
+  side = side_of(side_arrays)
+  inputs = [*hidden, *table] + ([bias] if flags.has_bias else [])
+  inputs += [side_arrays[name] for name in side.names]
+  out_type = [jax.ShapeDtypeStruct((geom.vocab_padded, geom.dim_padded), jnp.float32)]
+  if flags.has_bias:
+    out_type.append(jax.ShapeDtypeStruct((geom.vocab_padded,), jnp.float32))
+  kernel = functools.partial(_table_kernel, geom=geom, flags=flags, side=side,
+                             interpret=interpret)
+  kernel.__name__ = (f"cutbce_mosaic_{'softmax_' if flags.kind == 'softmax' else ''}"
+                     f"table_grad_s{geom.table_stages}")
+  outputs = plgpu.kernel(kernel, out_type=out_type, grid=(geom.vocab_padded // TABLE_BLOCK_V,),
+                         grid_names=("vocab",), interpret=params)(*inputs)
+  return outputs[0], (outputs[1] if flags.has_bias else None)
