@@ -118,3 +118,22 @@ def test_temp_memory_is_flat_in_vocab():
   rest = {vocab: temp[vocab] - 2 * 4 * vocab * 64 for vocab in temp}
   assert rest[1_048_576] - rest[131_072] <= 1 << 20, temp
   assert temp[131_072] < 4 * 2048 * 131_072 / 16, temp  # far below one f32 logit array
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_softmax_kernels_one_exp_per_logit(dtype):
+  _, reports = ptx.compile_with_reports(lambda: gpu_compiled.compile_loss(
+      "h200", "pallas_gpu", kind="softmax_ce", tokens=2048, vocab=262_147, dim=64,
+      dtype=jnp.dtype(dtype), num_targets=4, bias=True, num_exclude=3, num_items=262_144,
+      label_smoothing=0.1))
+  names = sorted(re.sub(r"_bv\d+_s\d+$|_s\d+$", "", name) for name in reports)
+  assert names == ["cutbce_mosaic_softmax_sweep_dh", "cutbce_mosaic_softmax_sweep_loss",
+                   "cutbce_mosaic_softmax_table_grad"], names
+  for name, report in reports.items():
+    assert report.wgmma and all(k.endswith(".f32.bf16.bf16") for k in report.wgmma), report
+    assert report.spill_bytes <= MAX_SPILL_BYTES[dtype], report
+    block_v = int(re.search(r"_bv(\d+)_", name).group(1)) if "_bv" in name else 64
+    logits_per_thread = 64 * block_v // 128
+    # exp(x - m) per logit, and the forward's rescale exp(m - m') per row (2 rows a thread).
+    assert set(report.mufu) <= {"ex2"}, report
+    assert report.mufu_count <= logits_per_thread + 2, report
