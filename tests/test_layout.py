@@ -122,7 +122,7 @@ def test_no_module_imports_in_a_circle():
     # data: only paths and the generic description of settings (its command's flags)
     # (and what an output folder may hold: trainer.workdir.outputs)
     ("trainer.data", ("trainer.workdir.paths", "trainer.workdir.outputs",
-                      "trainer.config.schema")),
+                      "trainer.config.schema", "trainer.config.budget")),
     # settings: backend names, paths and the data sources' options
     ("trainer.config", ("cutbce", "trainer.workdir.paths", "trainer.data")),
     # the workdir's guards: only the settings' one-line error

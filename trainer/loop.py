@@ -212,6 +212,8 @@ class Trainer:
     data_lib.check_trainable(self.data, seq_len=config.seq_len,
                              train_windows=config.data.get("train_windows", "all"),
                              eval_splits=(config.eval.split, "test"))
+    # Before anything of the catalog's size is allocated (its fingerprint, the state).
+    check_state_fits(config, self.data.num_items, config_mesh.vocab_shard_count(config))
     resuming = checkpoint.latest_step(self.manager) is not None
     # A resume refuses re-prepared data whose items moved rows (fingerprint.py).
     prepared = config_keys.prepared_folder(config.data.prepared_dir, workdir,
@@ -220,7 +222,6 @@ class Trainer:
                         else fingerprint.of(self.data.item_ids))
     num_items = self.data.num_items
     vocab_shards = config_mesh.vocab_shard_count(config)
-    check_state_fits(config, num_items, vocab_shards)  # before anything is allocated
     # Shapes and shardings only: the state is built below, restored or initialised.
     plan = train_lib.plan_sharded_state(config, num_items=num_items, mesh=self.mesh,
                                         vocab_shards=vocab_shards)

@@ -52,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cutbce import sharding as cutbce_sharding
 from trainer import model as model_lib
 from trainer import sampled as sampled_lib
+from trainer.config.schema import ConfigError
 
 TrainState = dict  # {"step": int32 [], "params": dict, "opt_state": optax state}
 
@@ -173,7 +174,7 @@ def sampled_settings(loss_config, num_items: int) -> sampled_lib.SampledLoss | N
   """The `SampledLoss` of `config.loss` for the sampled kinds, else None.
 
   Raises:
-    ValueError: gbce with k >= V (alpha = k / (V - 1) past 1).
+    ConfigError: gbce with k >= V (alpha = k / (V - 1) past 1), one line.
   """
   if loss_config.kind not in sampled_lib.SAMPLED_KINDS:
     return None
@@ -184,9 +185,10 @@ def sampled_settings(loss_config, num_items: int) -> sampled_lib.SampledLoss | N
       **{name: loss_config.get(name, defaults[name])
          for name in ("sampler", "logq", "gbce_t", "negatives_per")})
   if settings.kind == "gbce" and settings.num_negatives >= num_items:
-    raise ValueError(
-        f"config.loss.num_negatives={settings.num_negatives}: gbce needs k <= V - 1 = "
-        f"{num_items - 1} (alpha = k / (V - 1) is at most 1)")
+    raise ConfigError(
+        f"config.loss.num_negatives={settings.num_negatives}: at most V - 1 = {num_items - 1} "
+        f"with gbce, the other items of the {num_items:,} the prepared data holds (alpha = "
+        "k / (V - 1) is at most 1); every item as a negative is config.loss.kind='bce'")
   return settings
 
 

@@ -166,3 +166,37 @@ def test_the_stated_host_limit_caps_the_memory(monkeypatch):
       (3 * GIB, resource.RLIM_INFINITY) if which == resource.RLIMIT_AS else real(which)))
   assert budget.host_memory_bytes() == min(3 * GIB, os.sysconf("SC_PAGE_SIZE")
                                            * os.sysconf("SC_PHYS_PAGES"))
+
+
+@pytest.mark.parametrize("kind,negatives_per,k,memory,why", [
+    ("in_batch", "batch", 2**31 - 1, None, "overflow int32 indices"),
+    ("gbce", "position", 10**9, 64 * GIB, "logits and gathered rows outgrow the 64.0 GiB"),
+    ("sampled_softmax", "batch", 5 * 10**6, 8 * GIB, "sampled logits outgrow the 8.0 GiB"),
+])
+def test_absurd_sampled_negatives_are_one_line(kind, negatives_per, k, memory, why):
+  """Issue 41: 1e9 negatives per position, or 2^31 - 1 in-batch, asked XLA for terabytes."""
+  with pytest.raises(schema.ConfigError, match=(
+      rf"^config\.loss\.num_negatives={k}: at most [0-9,]+ here \(past it .*{why}")):
+    _check(memory, loss={**smoke.get_config().loss.to_dict(), "kind": kind,
+                         "num_negatives": k, "negatives_per": negatives_per,
+                         "vocab_reduction": "sum"})
+  _check(memory, loss={**smoke.get_config().loss.to_dict(), "kind": kind,  # a sane k passes
+                       "num_negatives": 1024, "negatives_per": negatives_per,
+                       "vocab_reduction": "sum"})
+
+
+@pytest.mark.parametrize("num_items", [10**8, 2 * 10**9 - 1])
+def test_a_synthetic_catalog_past_the_hosts_memory_is_one_line(tmp_path, capsys, monkeypatch,
+                                                              num_items):
+  """Issue 41: `num_items=2e9` failed inside numpy (MemoryError traceback)."""
+  from trainer.data import __main__ as data_cli  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(budget, "host_memory_bytes", lambda: GIB)  # a stated 1 GiB host
+  status = data_cli.main(["--dataset", "synthetic", "--num-users", "10", "--num-items",
+                          str(num_items), "--interactions-per-user", "5", "--out",
+                          str(tmp_path / "out")])
+  lines = capsys.readouterr().err.splitlines()
+  assert status == 2 and lines == [
+      f"bad config: num_items={num_items}: at most 67,108,864 on this host (preparing keeps 16 "
+      f"bytes per item, the raw id of every item and its copy: "
+      f"{budget.gib(16 * num_items)}, and this host's memory is 1.0 GiB)"], lines
+  assert not (tmp_path / "out").exists()

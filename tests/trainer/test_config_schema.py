@@ -232,6 +232,8 @@ def _model_too_big(config, tmp_path):
 # Rule name -> a change of the smoke config (and the context) that breaks it.
 RULE_BREAKERS = {
     "model_fits": _model_too_big,
+    "negatives_fit": _set_all(loss__kind="in_batch", loss__num_negatives=2**31 - 1,
+                              loss__vocab_reduction="sum"),
     "mesh_lengths": _set_all(mesh__shape=(4, 2)),
     "mesh_covers_devices": _set_all(mesh__shape=(4,)),
     "dcn_shape_fits": _set_all(mesh__dcn_shape=(2,)),

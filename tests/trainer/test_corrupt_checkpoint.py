@@ -8,12 +8,17 @@ restores, one error names every step and nothing is moved.
 
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 from trainer import loop
 from trainer.workdir import checkpoint
 from trainer.commands import evaluate as evaluate_command
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _config(smoke_data_dir, train_steps=20):
@@ -78,3 +83,44 @@ def test_evaluate_names_the_step_and_offers_the_previous(trained, tmp_path, caps
   assert status == 2 and len(lines) == 1, lines
   assert lines[0].startswith(f"bad config: the checkpoint of step 20 in {copy}")
   assert lines[0].endswith("pass --step=10 for the previous one")
+
+
+def _scrambled_copy(workdir, tmp_path, step):
+  """A copy whose OCDBT manifests of `step` are random bytes (TensorStore's DATA_LOSS)."""
+  copy = str(tmp_path / "scrambled")
+  shutil.copytree(workdir, copy)
+  state = os.path.join(copy, "checkpoints", str(step), "state")
+  for folder, _, files in os.walk(state):
+    for name in files:
+      if name == "manifest.ocdbt":
+        path = os.path.join(folder, name)
+        with open(path, "r+b") as file:
+          file.write(os.urandom(os.path.getsize(path)))
+  return copy
+
+
+@pytest.mark.parametrize("step", [20, 10])
+def test_a_scrambled_checkpoint_is_one_line_without_tensorstore_noise(trained, tmp_path, step):
+  """Issue 41: ~100 lines of "RuntimeError: Event loop is closed" tracebacks followed the
+  command's one line: TensorStore's reads, still pending when the restore failed, call
+  back into orbax's closed loop when their futures are collected (forced here)."""
+  copy = _scrambled_copy(trained, tmp_path, step)
+  script = textwrap.dedent(f"""
+      import gc, sys, time
+      sys.path.insert(0, {ROOT!r})
+      from trainer.commands import evaluate
+      for _ in range(3):  # each time, the reads left pending differ
+        status = evaluate.main(["evaluate", "--workdir={copy}", "--step={step}"])
+        for _ in range(3):
+          gc.collect()
+          time.sleep(0.1)
+      sys.exit(status)
+      """)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                        timeout=180, check=False)
+  lines = done.stderr.splitlines()
+  assert done.returncode == 2 and len(lines) == 3, done.stderr[-3000:]
+  assert all(line.startswith(f"bad config: the checkpoint of step {step} in {copy}")
+             for line in lines), lines

@@ -123,3 +123,32 @@ def test_main_rejects_a_missing_yambda_folder_before_any_work(tmp_path):
       f"the Yambda parquet files (nothing is prepared in {tmp_path / 'work' / 'data'} yet, "
       "so the raw files are read)"]
   assert not os.path.exists(tmp_path / "work")
+
+
+@pytest.mark.parametrize("overrides,line", [
+    # None reaches the config: the rule about it speaks (it was "'None': None or an integer").
+    (["--config.loss.kind=gbce", "--config.loss.num_negatives=None"],
+     "bad config: config.loss.num_negatives=None: an integer >= 1 with config.loss.kind='gbce'"),
+    # Accepted as None (the mesh's own line comes next, so the value parsed).
+    (["--config.max_checkpoints=None", "--config.loss.pos_weight=None",
+      "--config.mesh.shape=(4,)"],
+     "bad config: config.mesh.shape=(4,): sizes whose product is the 8 devices present "
+     "(jax.device_count()); (4,) covers 4"),
+    # A bare tuple of names is two names (it was the one name '(data,model)').
+    (["--config.mesh.axis_names=(data,model)", "--config.mesh.shape=(2,4)",
+      "--config.mesh.token_axes=data,", "--config.mesh.vocab_axis=model",
+      "--config.batch_size=9"],
+     "bad config: config.batch_size=9: a multiple of the 2 shards of the token axes"),
+])
+def test_overrides_take_none_and_bare_tuples_as_meant(tmp_path, overrides, line):
+  """Issue 41: `None` could not be given for keys documented as None-able, and
+  `--config.mesh.axis_names=(data,model)` became one name."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+      [sys.executable, "-m", "trainer.main", "--config=configs/smoke.py",
+       f"--workdir={tmp_path}", *overrides],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2, result.stderr[-2000:]
+  lines = result.stderr.splitlines()
+  assert len(lines) == 1 and lines[0].startswith(line), lines

@@ -526,9 +526,23 @@ def test_good_sampled_configs_pass(change):
 def test_gbce_needs_fewer_negatives_than_items():
   config = smoke.get_config()
   config.loss.update(kind="gbce", num_negatives=300)
-  with pytest.raises(ValueError, match=r"num_negatives=300: gbce needs k <= V - 1 = 299"):
+  with pytest.raises(schema.ConfigError, match=r"^config\.loss\.num_negatives=300: at most "
+                     r"V - 1 = 299 with gbce, the other items of the 300"):
     train_lib.step_settings(config, mesh=None, num_items=300)
   assert train_lib.step_settings(config, mesh=None, num_items=301).sampled.num_negatives == 300
+
+
+@pytest.mark.parametrize("num_negatives", [5_000, 10**6])
+def test_gbce_past_the_catalog_is_one_line_after_preparation(smoke_config, tmp_path,
+                                                             num_negatives):
+  """Issue 41: a traceback of 28 lines once the data was prepared; a ConfigError now
+  (`trainer.main` prints it as one `bad config:` line), before any state is built."""
+  from trainer import loop  # pylint: disable=import-outside-toplevel
+  smoke_config.loss.update(kind="gbce", num_negatives=num_negatives, vocab_reduction="sum")
+  with pytest.raises(schema.ConfigError, match=rf"^config\.loss\.num_negatives={num_negatives}"
+                     r": at most V - 1 = \d+ with gbce"):
+    loop.train_and_evaluate(smoke_config, str(tmp_path))
+  assert not (tmp_path / "config.json").exists()
 
 
 def test_popularity_step_needs_its_table():

@@ -267,3 +267,41 @@ def check_state(model: Model, *, num_items: int, seq_len: int, vocab_shards: int
           f"{model.num_layers} layers, mlp_dim {model.mlp_dim:,})"
           + (f" plus {gib(activations)} of activations" if activations else "")
           + f", and this host's devices hold {gib(memory)}")
+
+
+def negatives_bytes(model: Model, *, tokens: int, num_negatives: int, per_position: bool) -> int:
+  """A lower bound on the bytes a sampled loss's negatives take on one device.
+
+  `tokens` positions of this device score `num_negatives` (k) sampled items
+  each: float32 logits and their gradients `[T, k]`, and the gathered rows,
+  `[T, k, D]` when each position draws its own (`per_position`), else one
+  shared `[k, D]`.
+  """
+  rows = tokens * num_negatives if per_position else num_negatives
+  return 4 * (2 * tokens * num_negatives + rows * model.dim)
+
+
+def check_negatives(model: Model, *, tokens: int, global_tokens: int, num_negatives: int,
+                    per_position: bool, local_devices: int, memory: int | None) -> str | None:
+  """Why k sampled negatives per set cannot fit a step, with the largest k that does; or None.
+
+  Two limits, as for the step's activations: the step's `T x k` sampled
+  logits are indexed with int32 (at most 2^31 - 1), and their bytes
+  (`negatives_bytes`) must fit this host's devices.
+  """
+  def passes(k: int) -> bool:
+    if global_tokens * k > INT32_MAX:
+      return False
+    return memory is None or negatives_bytes(
+        model, tokens=tokens, num_negatives=k, per_position=per_position) * local_devices <= memory
+
+  if passes(num_negatives):
+    return None
+  most = limit(passes, num_negatives)
+  if global_tokens * (most + 1) > INT32_MAX:
+    reason = (f"past it the step's {global_tokens:,} positions x k sampled logits overflow "
+              "int32 indices (2^31 - 1)")
+  else:
+    reason = (f"past it the sampled logits{' and gathered rows' if per_position else ''} "
+              f"outgrow the {gib(memory or 0)} this host's devices hold")
+  return f"at most {most:,} here ({reason})"

@@ -569,6 +569,20 @@ def _step_fits(batch_key: str, blamed: str, *, training: bool):
   return check_rule
 
 
+def _negatives_fit(values, context):
+  """k sampled negatives per set fit the step (`budget.check_negatives`)."""
+  k = values["loss.num_negatives"]
+  if values["loss.kind"] not in SAMPLED_KINDS or k is None:
+    return None
+  local_devices = max(1, context.device_count // max(1, context.process_count))
+  shards = token_shards(values)
+  return budget.check_negatives(
+      budget.Model.of(values), tokens=-(-values["batch_size"] // shards) * values["seq_len"],
+      global_tokens=values["batch_size"] * values["seq_len"], num_negatives=k,
+      per_position=values["loss.negatives_per"] == "position", local_devices=local_devices,
+      memory=context.memory_bytes)
+
+
 def _model_fits(values, context):
   """The model's state (no items yet: the catalog is not known) fits this host's devices."""
   local_devices = max(1, context.device_count // max(1, context.process_count))
@@ -671,6 +685,13 @@ RULES: tuple[Rule, ...] = (
     Rule(name="batch_fits", keys=("batch_size", "seq_len", "num_targets") + _MODEL_KEYS,
          check=_step_fits("batch_size", "batch", training=True),
          doc="the same bound, naming `batch_size` when it is the further over its limit"),
+    Rule(name="negatives_fit",
+         keys=("loss.num_negatives", "loss.kind", "loss.negatives_per", "batch_size", "seq_len",
+               "model.dim"),
+         check=_negatives_fit,
+         doc="a sampled loss's `batch_size` x `seq_len` x `num_negatives` logits at most "
+         "2^31 - 1 (int32 indices), and its logits and gathered rows within this host's "
+         "device memory (`trainer/config/budget.py`)"),
     Rule(name="model_fits", keys=("model.dim", "seq_len") + _MODEL_KEYS[1:],
          check=_model_fits,
          doc="the model's parameters, gradients and AdamW moments (16 bytes per float32 "

@@ -12,7 +12,8 @@ Ids: items are in ``[0, V)``; ``inputs`` are padded with V
 
 Imports: NumPy, pyarrow, DuckDB, grain, ``trainer.workdir.paths`` and
 ``trainer.workdir.outputs`` (what an output folder may hold), and the generic
-description of settings (``trainer.config.schema``, for the command's flags);
+description of settings (``trainer.config.schema``, for the command's flags,
+and ``trainer.config.budget``, the host's memory);
 never the model, the training step or the commands.
 """
 

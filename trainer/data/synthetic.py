@@ -23,6 +23,8 @@ import math
 
 import numpy as np
 
+from trainer.config import budget
+from trainer.config.schema import ConfigError
 from trainer.data import sources
 
 _CHUNK_INTERACTIONS = 1 << 22
@@ -57,6 +59,31 @@ def zipf_ranks(rng: np.random.Generator, shape: tuple[int, ...],
     one_minus = 1.0 - exponent
     x = ((top ** one_minus - 1.0) * u + 1.0) ** (1.0 / one_minus)
   return np.clip(np.floor(x).astype(np.int64) - 1, 0, num_items - 1)
+
+
+# Bytes per item of the catalog that preparation holds at once: the int64 raw id
+# of every item (the item-id map) and its copy on the way to disk.
+CATALOG_BYTES_PER_ITEM = 16
+
+
+def check_catalog_fits(num_items: int) -> None:
+  """Refuses, in one line, a declared catalog whose item-id map cannot fit this host.
+
+  Every item, even one never drawn, gets a raw id in the prepared data
+  (`item_ids`, int64 [V]): `num_items=2e9` asked numpy for 32 GB and failed
+  with a MemoryError traceback (issue 41).
+
+  Raises:
+    ConfigError: naming `num_items`, the bytes and the host's memory.
+  """
+  memory = budget.host_memory_bytes()
+  if memory is None or num_items * CATALOG_BYTES_PER_ITEM <= memory:
+    return
+  raise ConfigError(
+      f"num_items={num_items}: at most {memory // CATALOG_BYTES_PER_ITEM:,} on this host "
+      f"(preparing keeps {CATALOG_BYTES_PER_ITEM} bytes per item, the raw id of every item "
+      f"and its copy: {budget.gib(num_items * CATALOG_BYTES_PER_ITEM)}, and this host's memory "
+      f"is {budget.gib(memory)})")
 
 
 def generate_synthetic(num_users: int = 1_000, num_items: int = 10_000,
@@ -107,6 +134,7 @@ def generate_synthetic(num_users: int = 1_000, num_items: int = 10_000,
   if num_items >= 2**31 or num_users >= 2**31:
     raise ValueError(f"num_users {num_users} and num_items {num_items} must "
                      "be < 2**31 (int32 ids)")
+  check_catalog_fits(num_items)
   if not zipf_exponent > 0:
     raise ValueError(f"zipf_exponent must be > 0, got {zipf_exponent!r}")
   if not 0.0 <= transition_prob <= 1.0:

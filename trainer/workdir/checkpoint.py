@@ -48,8 +48,15 @@ and data iterator) that can be resumed from like any other.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import gc
 import math
 import os
+import re
+import sys
+import threading
+import time
 
 import grain
 import jax
@@ -177,11 +184,103 @@ def restore_params(directory: str | os.PathLike, step: int, abstract_params):
   """
   item = {"params": abstract_params}
   path = paths.as_path(directory) / str(step) / "state"
-  with ocp.PyTreeCheckpointer() as checkpointer:
+  with quiet_native_errors(), ocp.PyTreeCheckpointer() as checkpointer:
     restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
         partial_restore=True))
   return restored["params"]
+
+
+# What the late callbacks print, piece by piece (threads interleave even the pieces
+# the traceback module writes: "RuntimeError", ": ", "Event loop is closed").
+_NOISE = re.compile(
+    rb"Traceback \(most recent call last\):|"
+    rb'File "[^"]*asyncio/base_events\.py", line \d+, in (call_soon_threadsafe|_check_closed)|'
+    rb"self\._check_closed\(\)|raise RuntimeError\('Event loop is closed'\)|"
+    rb"RuntimeError|Event loop is closed|:")
+
+
+class _StderrFilter:
+  """fd 2 through a thread that drops the tracebacks of late TensorStore callbacks.
+
+  A failed read of a damaged checkpoint leaves TensorStore reads pending;
+  each calls back into orbax's event loop after orbax closed it, from a
+  native thread, during the restore and at any later time (when its future
+  is collected), and prints a "RuntimeError: Event loop is closed"
+  traceback: ~100 lines after the command's one line (issue 41). Every line
+  is passed on but those made only of pieces of that traceback (threads
+  interleave them, even within a line; blank lines go too). Set up for a
+  restore; kept for the rest of the process once one failed (the callbacks
+  come late), else taken down.
+  """
+
+  def __init__(self):
+    sys.stderr.flush()
+    self._target = os.dup(2)
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+    self._read = read
+    self._thread = threading.Thread(target=self._pump, name="stderr-filter", daemon=True)
+    self._thread.start()
+
+  def _pump(self) -> None:
+    pending = b""
+    while True:
+      chunk = os.read(self._read, 65536)
+      if not chunk:
+        break
+      pending += chunk
+      *lines, pending = pending.split(b"\n")
+      for line in lines:  # a line of nothing but pieces of it (or blank) is dropped
+        if _NOISE.sub(b"", line).strip():
+          os.write(self._target, line + b"\n")
+    if pending and _NOISE.sub(b"", pending).strip():
+      os.write(self._target, pending)
+
+  def close(self) -> None:
+    """Puts fd 2 back; what is held is passed on."""
+    sys.stderr.flush()
+    os.dup2(self._target, 2)  # the pipe's last writer goes: the pump reads its end
+    self._thread.join(timeout=2)
+    os.close(self._read)
+    os.close(self._target)
+
+  def drain(self, longest: float = 2.0) -> None:
+    """At exit: waits until the pump has passed on what was written (fd 2 stays
+    on the filter: callbacks still come while the interpreter shuts down)."""
+    import fcntl  # pylint: disable=import-outside-toplevel  (POSIX only)
+    import termios  # pylint: disable=import-outside-toplevel
+    sys.stderr.flush()
+    waiting = bytearray(4)
+    deadline = time.monotonic() + longest
+    while time.monotonic() < deadline:
+      fcntl.ioctl(self._read, termios.FIONREAD, waiting)
+      if int.from_bytes(waiting, sys.byteorder) == 0:
+        break
+      time.sleep(0.02)
+    time.sleep(0.05)  # the last line read, being written
+
+
+@contextlib.contextmanager
+def quiet_native_errors():
+  """A failed block (a damaged checkpoint's restore) leaves no TensorStore noise on stderr.
+
+  The failure itself is raised, and named in one line, by the caller
+  (`_StderrFilter` drops the late callbacks' tracebacks from then on).
+  """
+  if getattr(quiet_native_errors, "kept", None) is not None:  # one failed already
+    yield
+    return
+  held = _StderrFilter()
+  try:
+    yield
+  except BaseException:
+    gc.collect()  # the failed reads call back as their futures are collected
+    quiet_native_errors.kept = held
+    atexit.register(held.drain)
+    raise
+  held.close()
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state, iterator):
@@ -190,9 +289,10 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state, iterator)
   Returns:
     The restored train state.
   """
-  restored = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract_state),
-      data=grain.checkpoint.CheckpointRestore(iterator)))
+  with quiet_native_errors():  # a damaged one: the caller names it, without the noise
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        data=grain.checkpoint.CheckpointRestore(iterator)))
   return restored.state
 
 
@@ -251,7 +351,8 @@ def stored_param_shapes(directory: str | os.PathLike, step: int) -> dict[str, tu
   path = paths.as_path(directory) / str(step) / "state"
   handler = ocp.StandardCheckpointHandler()  # the checkpointer warns on a step's item folder
   try:
-    params = handler.metadata(path)["params"]
+    with quiet_native_errors():  # a damaged one: no TensorStore noise
+      params = handler.metadata(path)["params"]
   except Exception:  # pylint: disable=broad-except  (orbax raises many kinds)
     return None
   finally:
