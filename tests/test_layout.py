@@ -18,7 +18,8 @@ PACKAGES = ("cutbce", "trainer")
 # The training path: what `python -m trainer.main` runs. It never needs a command.
 TRAINING_PATH = ("trainer.evaluate", "trainer.loop", "trainer.model", "trainer.sampled",
                  "trainer.train", "trainer.workdir.checkpoint", "trainer.workdir.fingerprint",
-                 "trainer.workdir.lock", "trainer.workdir.logs", "trainer.workdir.paths")
+                 "trainer.workdir.lock", "trainer.workdir.logs", "trainer.workdir.paths",
+                 "trainer.workdir.preemption")
 # The command lines under their old names: only these and trainer.main import the commands.
 OLD_NAMES = ("trainer.compile", "trainer.export", "trainer.recommend")
 # Old import paths of modules that moved into trainer/workdir/ (scripts still use them).

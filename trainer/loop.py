@@ -35,8 +35,7 @@ import orbax.checkpoint as ocp
 
 from trainer import data as data_lib, evaluate, model as model_lib, sampled, train as train_lib
 from trainer.workdir import checkpoint, fingerprint, lock as workdir_lock, logs, paths
-from trainer.config import budget, keys as config_keys, mesh as config_mesh, saved as saved_config
-from trainer.config import schema
+from trainer.config import keys as config_keys, mesh as config_mesh, saved as saved_config, schema
 from trainer.data import ids as data_ids, prepare as prepare_lib
 
 
@@ -145,33 +144,6 @@ def record_config(config, workdir: str) -> None:
     saved_config.write(workdir, config, process_count=jax.process_count())
 
 
-def check_state_fits(config, num_items: int, vocab_shards: int) -> None:
-  """Refuses, in one line, a state that cannot fit this host's devices (`budget.check_state`).
-
-  Asked of XLA instead, an allocation past the memory can fail on a worker
-  thread while the main thread waits for the state forever (issue 41).
-
-  Raises:
-    schema.ConfigError: names `model.dim`, the bytes needed and the memory.
-  """
-  model = budget.Model.of_config(config.model)
-  shards = math.prod(dict(zip(config.mesh.axis_names, config.mesh.shape))[axis]
-                     for axis in config.mesh.token_axes)
-  activations = budget.step_bytes(model, -(-config.batch_size // shards), config.seq_len,
-                                  training=True)
-  why = budget.check_state(
-      model, num_items=model_lib.padded_vocab_size(num_items, vocab_shards),
-      seq_len=config.seq_len, vocab_shards=vocab_shards,
-      local_devices=jax.local_device_count(), memory=budget.memory_bytes(),
-      activations=activations)
-  if why is not None:
-    raise schema.ConfigError(
-        f"config.model.dim={config.model.dim}: a model whose state fits this host: {why}; "
-        "use a smaller "
-        "model.dim or model.mlp_dim, or split the item table over a vocab axis "
-        "(config.mesh.vocab_axis)")
-
-
 class Trainer:
   """Holds what the loop needs between steps (one run of `train_and_evaluate`)."""
 
@@ -213,7 +185,7 @@ class Trainer:
                              train_windows=config.data.get("train_windows", "all"),
                              eval_splits=(config.eval.split, "test"))
     # Before anything of the catalog's size is allocated (its fingerprint, the state).
-    check_state_fits(config, self.data.num_items, config_mesh.vocab_shard_count(config))
+    config_mesh.check_state_fits(config, self.data.num_items)
     resuming = checkpoint.latest_step(self.manager) is not None
     # A resume refuses re-prepared data whose items moved rows (fingerprint.py).
     prepared = config_keys.prepared_folder(config.data.prepared_dir, workdir,

@@ -145,16 +145,15 @@ def test_a_model_whose_state_cannot_fit_is_one_line_before_any_work(tmp_path, di
 
 
 def test_the_item_table_is_counted_once_the_catalog_is_known():
-  from trainer import loop  # pylint: disable=import-outside-toplevel
   config = smoke.get_config()
   memory = budget.memory_bytes()
   rows = memory // (16 * config.model.dim * 8)  # 8 devices' copies of the table fill it
-  loop.check_state_fits(config, rows // 4, 1)
+  config_mesh.check_state_fits(config, rows // 4)
   with pytest.raises(schema.ConfigError, match=(
       rf"^config\.model\.dim={config.model.dim}: a model whose state fits this host: .* need "
       rf"at least .* per device x 8 devices \({rows * 2:,} items x {config.model.dim}; .*split "
       r"the item table over a vocab axis")):
-    loop.check_state_fits(config, rows * 2, 1)
+    config_mesh.check_state_fits(config, rows * 2)
   assert budget.state_bytes(budget.Model.of_config(config.model), num_items=rows * 2,
                             seq_len=config.seq_len, vocab_shards=8) < memory // 8
 

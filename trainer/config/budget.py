@@ -265,7 +265,7 @@ def check_state(model: Model, *, num_items: int, seq_len: int, vocab_shards: int
                                              else "")
   return (f"the model's {what} need at least {per_device} ({table}; dim {model.dim:,}, "
           f"{model.num_layers} layers, mlp_dim {model.mlp_dim:,})"
-          + (f" plus {gib(activations)} of activations" if activations else "")
+          + (f" plus {gib(activations)} of activations" if activations >= 2**26 else "")
           + f", and this host's devices hold {gib(memory)}")
 
 

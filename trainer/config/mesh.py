@@ -57,6 +57,35 @@ def check_config(config, device_count: int | None = None, *, workdir: str | None
   config_keys.check(config, context)
 
 
+def check_state_fits(config, num_items: int) -> None:
+  """Refuses, in one line, a state that cannot fit this host's devices (`budget.check_state`).
+
+  Run once the catalog is known (after data preparation), before anything of
+  its size is allocated. Asked of XLA instead, an allocation past the memory
+  can fail on a worker thread while the main thread waits for the state
+  forever (issue 41). The table has `num_items` rounded up to the vocab
+  axis's size (`model.padded_vocab_size`).
+
+  Raises:
+    ConfigError: names `model.dim`, the bytes needed and the memory.
+  """
+  model = budget.Model.of_config(config.model)
+  vocab_shards = vocab_shard_count(config)
+  sizes = dict(zip(config.mesh.axis_names, config.mesh.shape))
+  shards = math.prod(sizes[axis] for axis in config.mesh.token_axes)
+  activations = budget.step_bytes(model, -(-config.batch_size // shards), config.seq_len,
+                                  training=True)
+  why = budget.check_state(
+      model, num_items=-(-num_items // vocab_shards) * vocab_shards, seq_len=config.seq_len,
+      vocab_shards=vocab_shards, local_devices=jax.local_device_count(),
+      memory=budget.memory_bytes(), activations=activations)
+  if why is not None:
+    raise ConfigError(
+        f"config.model.dim={config.model.dim}: a model whose state fits this host: {why}; "
+        "use a smaller model.dim or model.mlp_dim, or split the item table over a vocab "
+        "axis (config.mesh.vocab_axis)")
+
+
 def fill_mesh_shape(config, device_count: int) -> None:
   """Replaces a -1 in `config.mesh.shape` by `device_count` / (product of the others).
 
