@@ -34,14 +34,17 @@ in Pallas' Mosaic GPU interpreter anywhere else, chosen when traced
 What the Mosaic kernels do not take yet goes to the Pallas Triton kernel
 set (`backend="pallas_triton"`, `triton.py`): BCE variants with a logit cap
 or focal terms, more than `MAX_FIXED_COLUMNS` fixed columns or
-`MOSAIC_MAX_EXCLUDE` excluded ids per position, and the rank kernels
-(docs/kernels.md, "Mosaic GPU kernels").
+`MOSAIC_MAX_EXCLUDE` excluded ids per position, the rank kernels, and any
+call interpreted inside a mapped axis of several devices (the interpreter
+cannot run concurrently; `_interpreted_on_several_devices`) (docs/kernels.md,
+"Mosaic GPU kernels").
 """
 
 from __future__ import annotations
 
 import functools
 import jax
+from jax._src import core as jax_core
 import jax.numpy as jnp
 
 from cutbce import variants
@@ -121,10 +124,28 @@ def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
   return TilePlan(block_v=geom.block_v, block_t=BLOCK_T)
 
 
+def _interpreted_on_several_devices() -> bool:
+  """Whether the kernels would be interpreted inside a mapped axis of size > 1.
+
+  Pallas' Mosaic GPU interpreter keeps one global simulated memory: kernels
+  interpreted concurrently on several devices (a `shard_map` over CPU
+  devices) corrupt it (jax 0.10.2 and 0.12: "Barrier remains allocated",
+  then a hang). Compiled kernels are unaffected.
+  """
+  if _compiled_here():
+    return False
+  try:
+    sizes = jax_core.get_axis_env().axis_sizes
+  except AttributeError:  # a jax without the axis environment: assume none
+    return False
+  return any(size > 1 for size in sizes.values())
+
+
 def _takes(options: LossOptions, fixed_ids) -> bool:
   """Whether the Mosaic kernels take this call (else it goes to the Triton set)."""
   num_fixed = 0 if fixed_ids is None else fixed_ids.shape[-1]
-  return options.is_affine and num_fixed <= MAX_FIXED_COLUMNS
+  return (options.is_affine and num_fixed <= MAX_FIXED_COLUMNS
+          and not _interpreted_on_several_devices())
 
 
 # --------------------------------------------------------------------------- #
@@ -313,7 +334,8 @@ def forward_backward(hidden, table, bias, scale, table_grad, bias_grad, fixed_id
 def _softmax_takes(exclude_ids, fixed_ids=None) -> bool:
   num_exclude = 0 if exclude_ids is None else exclude_ids.shape[-1]
   num_fixed = 0 if fixed_ids is None else fixed_ids.shape[-1]
-  return num_exclude <= MOSAIC_MAX_EXCLUDE and num_fixed <= MAX_FIXED_COLUMNS
+  return (num_exclude <= MOSAIC_MAX_EXCLUDE and num_fixed <= MAX_FIXED_COLUMNS
+          and not _interpreted_on_several_devices())
 
 
 def _limit(hidden, valid_rows):

@@ -224,3 +224,25 @@ def test_softmax_runs_the_mosaic_kernels_and_wraps_the_pipelines(six_sm_gpu, dty
   else:  # both round each gradient tile to bfloat16 for its dots, in different tiles
     np.testing.assert_allclose(float(value), float(want), rtol=1e-3)
     _assert_grads(grads, want_grads, 3e-2, 2e-2)
+
+
+def test_interpreted_in_a_shard_map_of_several_devices_runs_the_triton_kernels():
+  """The Mosaic interpreter cannot run on several devices at once (its one simulated
+  memory breaks, then hangs): there the Triton kernels' interpreter runs instead."""
+  from cutbce.sharding import sharded_cut_bce  # pylint: disable=import-outside-toplevel
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+  raw = cases.make_case(cases.Case((8, 5), 300, 16, 2, 0, 64), seed=7, logit_scale=2.0)
+  args = _jnp(raw, jnp.float32)
+
+  def loss(backend, hidden, table):
+    return sharded_cut_bce(hidden, table, args["targets"], args["weights"], mesh=mesh,
+                           token_axes=("data", "model"), vocab_axis="model", backend=backend)
+
+  grad_fn = jax.jit(jax.value_and_grad(lambda h, e: loss("pallas_gpu", h, e), argnums=(0, 1)))
+  jaxpr = str(jax.make_jaxpr(grad_fn)(args["hidden"], args["table"]))
+  assert "cutbce_gpu_" in jaxpr and "cutbce_mosaic" not in jaxpr
+  got, got_grads = grad_fn(args["hidden"], args["table"])
+  want, want_grads = jax.jit(jax.value_and_grad(lambda h, e: loss("xla", h, e), argnums=(0, 1)))(
+      args["hidden"], args["table"])
+  np.testing.assert_allclose(float(got), float(want), rtol=2e-6)
+  _assert_grads(got_grads, want_grads, 1e-4, 1e-6)
