@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from trainer.workdir import logs
+from trainer.workdir import logs, outputs
 from trainer.data import prepare, storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,9 +74,10 @@ def test_a_failed_preparation_leaves_no_partial_array(tmp_path, monkeypatch):
   monkeypatch.setattr(storage.np, "save", dying_save)
   with pytest.raises(OSError, match="disk gone"):
     _prepare(_csv(tmp_path / "plays.csv", 9), out, engine="memory")
-  # The old arrays untouched (only the manifest is gone: the folder is marked
-  # incomplete, as before), nothing of the new preparation in or beside it.
-  del old[storage.MANIFEST]
+  # The old arrays untouched (only the manifest is set aside: the folder is
+  # marked incomplete, yet still known as a preparation's, issue 41), nothing
+  # of the new preparation in or beside it.
+  old[outputs.RETIRED] = old.pop(storage.MANIFEST)
   assert _files(out) == old
   assert sorted(os.listdir(tmp_path)) == ["plays.csv", "prepared"]
 
