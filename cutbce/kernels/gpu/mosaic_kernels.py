@@ -262,6 +262,7 @@ def _sweep_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
     plgpu.barrier_wait(resident_barrier.at[index])
   products = ops.PRODUCTS[pieces]
   softmax_forward = flags.kind == "softmax" and flags.with_loss
+  values = _load_side(side_smem, side, interpret)  # resident: read once
 
   def step(tile, carry):
     slot = lax.rem(tile, stages)
@@ -273,7 +274,6 @@ def _sweep_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
       logits = logits + _columns(ops.load_vector(bias_smem.at[slot], ops.COLUMNS, interpret),
                                  logits.shape)
     columns = (first + tile) * block_v + ops.iota((BLOCK_T, block_v), 1, interpret)
-    values = _load_side(side_smem, side, interpret)
     if softmax_forward:
       carry = _softmax_step(carry, logits, columns, geom, values, flags.with_counts)
     else:

@@ -29,6 +29,8 @@ compiled runs (docs/kernels.md, "Mosaic GPU kernels").
 
 from __future__ import annotations
 
+import inspect
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -53,11 +55,24 @@ def iota(shape, dimension: int, interpret: bool):
   return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=WGMMA)
 
 
+# jax <= 0.11 takes `plgpu.load(ref, idx, layout=...)`, jax 0.12 `plgpu.load(ref, layout=...)`.
+_LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
+
+
 def load_vector(ref, layout, interpret: bool):
   """A 1-D shared memory ref in registers, laid out for rows or columns of a tile."""
   if interpret:
     return ref[...]
-  return plgpu.load(ref, (), layout=layout)
+  if _LOAD_TAKES_INDEX:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
+def _transposed(ref):
+  """The `[K, M]` view of an `[M, K]` shared memory ref (a wgmma operand, no copy)."""
+  if hasattr(ref, "transpose"):  # jax >= 0.12 deprecates plgpu.transpose_ref for it
+    return ref.transpose((1, 0))
+  return plgpu.transpose_ref(ref, (1, 0))
 
 
 def dot_nt(a_refs, b_refs, products, interpret: bool):
@@ -72,7 +87,7 @@ def dot_nt(a_refs, b_refs, products, interpret: bool):
 
   def issue(acc_ref):
     for i, j in products:
-      plgpu.wgmma(acc_ref, a_refs[i], plgpu.transpose_ref(b_refs[j], (1, 0)))
+      plgpu.wgmma(acc_ref, a_refs[i], _transposed(b_refs[j]))
     return acc_ref[...]
 
   return pl.run_scoped(issue, plgpu.ACC((rows, columns), jnp.float32))
@@ -89,7 +104,7 @@ def dot_acc(acc, a_refs, b_refs, products, interpret: bool, transpose_a: bool = 
 
   def issue(acc_ref):
     for i, j in products:
-      a = plgpu.transpose_ref(a_refs[i], (1, 0)) if transpose_a else a_refs[i]
+      a = _transposed(a_refs[i]) if transpose_a else a_refs[i]
       plgpu.wgmma(acc_ref, a, b_refs[j])
 
   return pl.run_state(issue)(plgpu.ACC.init(acc))
