@@ -9,7 +9,13 @@ the Mosaic one delegates to for what it does not take yet. Both honour the
 backend contract written in `cutbce/kernels/xla.py`. `plan` is the Triton
 planner and the device planned for, `targets` the NVIDIA target configs the
 kernels are compiled for without a GPU, `compiled` the loss compiled for a
-target. Design and compiled evidence: docs/kernels.md.
+target, `ptx` what the compiler made of the Mosaic kernels (PTX, ptxas).
+Imports: `targets` and `pieces` nothing of cutbce; `plan` targets and the
+tiling types; `mosaic_plan` plan and targets; `mosaic_ops` pieces;
+`mosaic_kernels` mosaic_ops and mosaic_plan; `triton` plan, pieces and the
+variants; `mosaic` the kernel modules and triton; `compiled` the ops
+(`cutbce`) and is imported by none of them. Design and compiled evidence:
+docs/kernels.md.
 """
 
 from cutbce.kernels.gpu.plan import target_gpu  # noqa: F401
