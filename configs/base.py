@@ -94,7 +94,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.num_threads = 2
   config.data.prefetch_buffer_size = 4
 
-  # Loss: cutbce backend ("auto", "xla", "pallas_tpu", "dense") and whether
+  # Loss: cutbce backend ("auto", "xla", "pallas_tpu", "pallas_gpu", "pallas_triton",
+  # "dense") and whether
   # l_t is divided by V ("mean") or not ("sum").
   config.loss = ml_collections.ConfigDict()
   # "bce": full-catalog multi-label BCE (`cut_bce`, everything below applies);
