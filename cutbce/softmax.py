@@ -55,7 +55,7 @@ class SoftmaxCall(NamedTuple):
 
   Attributes:
     backend: a kernel set with the softmax entry points ("xla", "pallas_tpu", "pallas_gpu",
-      "auto").
+      "pallas_triton", "auto").
     plan: a `TilePlan`, or None for the kernel's own plan.
     with_counts: also return per-token confusion counts (logit > 0).
     label_smoothing: e in [0, 1].
@@ -340,11 +340,12 @@ def softmax_backend(backend: str, flat: inputs.Flat, plan=None) -> str:
   kernels where they take the inputs, chosen when the program is lowered),
   and to the XLA path where they do not, or where a row holds more excluded
   ids than the kernels compare per tile (`MAX_SOFTMAX_EXCLUDE` of the kernel
-  set: TPU 128, GPU 32).
+  set: TPU 128, GPU 32: the Mosaic set compares 16 and gives wider rows to
+  its Triton fallback).
 
   Raises:
-    NotImplementedError: "pallas_tpu" or "pallas_gpu" named for inputs its
-      kernels cannot take.
+    NotImplementedError: "pallas_tpu", "pallas_gpu" or "pallas_triton" named for
+      inputs its kernels cannot take.
   """
   inputs.check_choice("backend", backend, backends.BACKEND_CHOICES)
   if backend == "dense":
@@ -405,9 +406,10 @@ def cut_softmax_ce(hidden, table, targets, weights=None, *, bias=None, exclude=N
       at logit > 0 as `cut_bce` defines them.
     backend: as in `cut_bce`: "auto" (the Pallas TPU softmax kernels when
       lowered for TPU, the tiled XLA path elsewhere), "xla", "pallas_tpu"
-      (Pallas' interpreter off-TPU), "pallas_gpu" (the Pallas GPU softmax
-      kernels: Triton when lowered for CUDA, Pallas' interpreter elsewhere),
-      or "dense" (`cutbce.dense_softmax_ce`, the materializing reference).
+      (Pallas' interpreter off-TPU), "pallas_gpu" (the Mosaic GPU softmax
+      kernels: compiled on a GPU, Pallas' Mosaic GPU interpreter elsewhere),
+      "pallas_triton" (the Pallas Triton ones), or "dense"
+      (`cutbce.dense_softmax_ce`, the materializing reference).
 
   Returns:
     float32 loss (scalar, or `[...]` for reduction="none"); with
