@@ -99,9 +99,10 @@ def popularity_baseline(prepared_dir: str, ks=(10, 50, 100)) -> dict:
   """Most-popular ranking, filter-seen, leave-one-out: metrics per split.
 
   Score of an item = its number of training interactions (validation and test
-  items not counted). Rank of the held-out item = 1 + the number of items
-  outside the user's history with a strictly larger score (the trainer's
-  rank definition).
+  items not counted). Rank of the held-out item = 1 + the number of other
+  items outside the user's history with a score at least as large: ties count
+  against the target, as in `cutbce.target_ranks` (so equal counts never
+  flatter the baseline).
   """
   from trainer import data as data_lib  # pylint: disable=import-outside-toplevel
   data = data_lib.load_prepared(prepared_dir)
@@ -119,8 +120,8 @@ def popularity_baseline(prepared_dir: str, ks=(10, 50, 100)) -> dict:
       target = items[base + start]
       allowed = np.ones(num_items, bool)
       allowed[items[base:base + history_length]] = False
-      allowed[target] = True
-      ranks.append(1 + int(np.sum(allowed & (counts > counts[target]))))
+      allowed[target] = False  # the others only
+      ranks.append(1 + int(np.sum(allowed & (counts >= counts[target]))))
     metrics = cutbce.rank_metrics(np.asarray(ranks, np.int32)[:, None], ks=ks)
     out[split] = {k: float(v) for k, v in jax.device_get(metrics).items()}
   return out

@@ -40,3 +40,27 @@ def test_a_finished_run_is_collected_once_and_its_curve_has_each_step_once(tmp_p
   assert script.finished(str(tmp_path), 20) and not script.finished(str(tmp_path), 30)
   assert script.validation_curve(script.read_metrics(str(tmp_path))) == [
       {"step": 10, "ndcg@10": 0.1, "hit@10": 0.2}, {"step": 20, "ndcg@10": 0.3, "hit@10": 0.4}]
+
+
+def test_the_popularity_baseline_counts_ties_against_the_target(monkeypatch):
+  """Items 0 and 1 have the same training count: the held-out item 1 ranks 2nd, not 1st."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from trainer import data as data_lib  # pylint: disable=import-outside-toplevel
+  script = _script()
+
+  class Prepared:  # two users; user 0: train [0, 1, 0, 1], then 1 (val) and 1 (test)
+    items = np.array([0, 1, 0, 1, 1, 1, 2, 3, 3, 3], np.int32)
+    offsets = np.array([0, 6, 10])
+    train_lengths = np.array([4, 2])
+    num_items = 5
+
+    @staticmethod
+    def examples(split):
+      start = 4 if split == "validation" else 5
+      return np.array([[0, 0, start, 0]])  # user 0, nothing seen excluded, the held-out item
+
+  monkeypatch.setattr(data_lib, "load_prepared", lambda _: Prepared)
+  # Counts: items 0 and 1 twice each, 2 and 3 once each (user 1's two training rows).
+  metrics = script.popularity_baseline("unused", ks=(1, 10))
+  assert metrics["test"]["hit@1"] == 0.0 and metrics["test"]["hit@10"] == 1.0
+  assert abs(metrics["test"]["mrr"] - 0.5) < 1e-6
