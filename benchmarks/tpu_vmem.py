@@ -11,6 +11,16 @@ compiler's own out-of-VMEM report, followed until it compiles). Beside it:
     python benchmarks/tpu_vmem.py                     # v5e and v6e, the full set
     python benchmarks/tpu_vmem.py --chips v6e --quick # the base plan only
     python benchmarks/tpu_vmem.py --plans             # what the calibration bought
+    python benchmarks/tpu_vmem.py --grid              # the planner's own plans, every chip
+    python benchmarks/tpu_vmem.py --plans40           # plans before and after issue 40
+
+`--grid` (issue 40) takes, for every chip the planner knows and a grid of
+shapes (D 64-512, T 512-65,536, V 10^4-10^7, bf16 and f32), the plan the
+planner picks for each kernel, and measures Mosaic's need for it with XLA's
+placement of whole arrays in VMEM off (`compiler.WINDOWS_ONLY_FLAGS`: every
+operand through its window, the kernel's own worst case): the numbers
+`tests/cutbce/kernels/test_vmem_band.py` holds the estimate to.
+Measurements are keyed by plan, so a planner change measures only new plans.
 
 `--plans` compiles, for a few shapes where the calibrated planner picks other
 tiles than the planner before it (whose plans are kept below as data), the
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import time
@@ -69,6 +80,33 @@ PLANS_BEFORE = {
     ("v4", "backward", 8192, 219_235, 128, "bfloat16"): (256, 256, 2048),
     ("v5e", "forward", 65_536, 219_235, 128, "bfloat16"): (128, 4096, 33792),
 }
+# (T, V, D, dtype) of `--grid`: each D, T and dtype at least once, V from
+# 10^4 to 10^7 (it sets only the grid's length and the ragged last tile).
+# (The backward kernels' f32 [V, D] table gradient, in and out, must fit
+# v5e's 16 GB of HBM: 10^7 items are compiled in bf16 at D = 64.)
+GRID_SHAPES = [
+    (4096, 876_939, 128, "bfloat16"),  # the paper's per-chip shape
+    (512, 10_007, 512, "float32"),
+    (65_536, 1_000_003, 64, "bfloat16"),
+    (16_384, 10_000_019, 64, "bfloat16"),
+    (16_384, 300_007, 256, "float32"),
+    (8192, 131_071, 512, "bfloat16"),
+    (2048, 300_007, 256, "bfloat16"),
+]
+GRID_CHIPS = ("v4", "v5e", "v5p", "v6e", "7x")
+GRID_KERNELS = ("forward", "one_pass", "ranks", "backward")
+GRID_TARGETS = 8  # L of the rank kernel and fixed columns of the backward ones
+
+# The same, for the planner before issue 40's model (its plans at grid shapes
+# where the new one picks others), compared by `--plans40`.
+PLANS_BEFORE_ISSUE_40 = {
+    ("v4", "backward", 4096, 876_939, 128, "bfloat16"): (128, 512, 1408),
+    ("v5e", "backward", 65_536, 1_000_003, 64, "bfloat16"): (256, 2048, 13_312),
+    ("v5p", "backward", 65_536, 1_000_003, 64, "bfloat16"): (128, 128, 7296),
+    ("v6e", "backward", 16_384, 300_007, 256, "float32"): (256, 2048, 8704),
+    ("7x", "backward", 16_384, 300_007, 256, "float32"): (256, 1024, 4096),
+    ("v5e", "forward", 65_536, 1_000_003, 64, "bfloat16"): (256, 4096, 34_560),
+}
 ESTIMATED_AS = {"forward": "forward", "backward": "backward", "one_pass": "backward",
                 "ranks": "ranks"}
 
@@ -82,7 +120,8 @@ def estimate(r: dict) -> int:
   return tiling.vmem_estimate(
       ESTIMATED_AS[r["kernel"]], token_chunk=r["token_chunk"], block_t=r["block_t"],
       block_v=r["block_v"], dim=r["dim"], itemsize=jnp.dtype(r["dtype"]).itemsize,
-      num_targets=r["num_targets"], extra_logit_tiles=2 if r["variant"] else 0)
+      num_targets=r["num_targets"], extra_logit_tiles=2 if r["variant"] else 0,
+      num_tokens=TOKENS)
 
 
 def measure(chip: str, kernel: str, case: dict, device) -> dict:
@@ -98,16 +137,80 @@ def measure(chip: str, kernel: str, case: dict, device) -> dict:
           "seconds": round(time.perf_counter() - start, 1)}
 
 
-def compare_plans(results: dict) -> None:
-  """The compiler's optimal_seconds of each PLANS_BEFORE kernel, before and after."""
+def grid_key(chip, kernel, tokens, vocab, dim, dtype, plan) -> str:
+  return (f"grid/{chip}/{kernel}/T{tokens}/V{vocab}/D{dim}/{dtype}/bt{plan.block_t}"
+          f"/bv{plan.block_v}/c{min(plan.token_chunk, tokens)}")
+
+
+def grid_points(chips=GRID_CHIPS, kernels=GRID_KERNELS, shapes=GRID_SHAPES):
+  """(key, chip, kernel, T, V, D, dtype, plan) of each planner plan in the grid."""
+  for chip in chips:
+    for kernel in kernels:
+      for tokens, vocab, dim, dtype in shapes:
+        plan = tiling.plan_tiles(tokens, vocab, dim, dtype, chip=chip,
+                                 kernel=ESTIMATED_AS[kernel], num_targets=GRID_TARGETS)
+        yield (grid_key(chip, kernel, tokens, vocab, dim, dtype, plan), chip, kernel, tokens,
+               vocab, dim, dtype, plan)
+
+
+def grid_estimate(r: dict) -> int:
+  """`tiling.vmem_estimate` of a grid point's plan (the chunk clamped to T, as the kernels do)."""
+  return tiling.vmem_estimate(
+      ESTIMATED_AS[r["kernel"]], token_chunk=min(r["token_chunk"], r["tokens"]),
+      block_t=r["block_t"], block_v=r["block_v"], dim=r["dim"],
+      itemsize=jnp.dtype(r["dtype"]).itemsize, num_targets=GRID_TARGETS, num_tokens=r["tokens"],
+      cores=r.get("cores", 1), with_loss=r["kernel"] != "backward")
+
+
+def measure_grid(grid: dict, save, chips=GRID_CHIPS, kernels=GRID_KERNELS) -> None:
+  """Measures every planner plan of the grid not measured yet; prints estimate / need."""
+  print(f"{'chip':>4} {'kernel':>8} {'T':>6} {'V':>10} {'D':>4} {'dtype':>8} "
+        f"{'bt':>4} {'bv':>5} {'chunk':>6} {'need MiB':>9} {'est MiB':>8} {'est/need':>8}",
+        flush=True)
+  devices = {}
+  for key, chip, kernel, tokens, vocab, dim, dtype, plan in grid_points(chips, kernels):
+    if key not in grid:
+      device = devices.setdefault(chip, compiler.chip_device(chip))
+      start = time.perf_counter()
+      try:
+        need, error = compiler.measured_vmem_bytes(
+            kernel, plan=plan, num_tokens=tokens, vocab=vocab, dim=dim,
+            dtype=jnp.dtype(dtype), device=device, num_targets=GRID_TARGETS), None
+      except RuntimeError as failure:  # e.g. over the chip's whole VMEM: a planner bug
+        need, error = None, str(failure).splitlines()[0][:300]
+      cores = (tiling.tensor_cores(chip) if ESTIMATED_AS[kernel] == "backward"
+               and plan.block_v < vocab else 1)
+      grid[key] = {"chip": chip, "kernel": kernel, "tokens": tokens, "vocab": vocab,
+                   "dim": dim, "dtype": dtype, "block_t": plan.block_t,
+                   "block_v": plan.block_v, "token_chunk": min(plan.token_chunk, tokens),
+                   "cores": cores, "vmem_limit_bytes": plan.vmem_limit_bytes,
+                   "actual_bytes": need, "error": error,
+                   "seconds": round(time.perf_counter() - start, 1)}
+      save()
+    r = grid[key]
+    if r["actual_bytes"] is None:
+      print(f"{chip:>4} {kernel:>8} {tokens:>6} {vocab:>10} {dim:>4} {dtype:>8} does not "
+            f"compile: {r['error']}", flush=True)
+      continue
+    est = grid_estimate(r)
+    print(f"{chip:>4} {kernel:>8} {tokens:>6} {vocab:>10} {dim:>4} {dtype:>8} "
+          f"{r['block_t']:>4} {r['block_v']:>5} {r['token_chunk']:>6} "
+          f"{r['actual_bytes'] / MIB:>9.2f} {est / MIB:>8.2f} {est / r['actual_bytes']:>8.2f}",
+          flush=True)
+
+
+def compare_plans(results: dict, before_plans=None, prefix: str = "plans") -> None:
+  """The compiler's optimal_seconds of each kernel of `before_plans`, before and after."""
+  before_plans = PLANS_BEFORE if before_plans is None else before_plans
   print(f"{'chip':>4} {'kernel':>8} {'T':>6} {'D':>4} {'dtype':>8} {'plan before':>20} "
         f"{'plan after':>20} {'chunks':>7} {'est. ms before':>14} {'after':>7}", flush=True)
-  for (chip, kernel, tokens, vocab, dim, dtype), before in PLANS_BEFORE.items():
-    key = f"plans/{chip}/{kernel}/T{tokens}/V{vocab}/D{dim}/{dtype}"
+  for (chip, kernel, tokens, vocab, dim, dtype), before in before_plans.items():
+    key = f"{prefix}/{chip}/{kernel}/T{tokens}/V{vocab}/D{dim}/{dtype}"
     if key not in results:
       device = compiler.chip_device(chip)
       after = tiling.plan_tiles(tokens, vocab, dim, dtype, chip=chip, kernel=kernel)
-      row = {"before": before, "after": (after.block_t, after.block_v, after.token_chunk)}
+      row = {"before": before,
+             "after": (after.block_t, after.block_v, min(after.token_chunk, tokens))}
       for name, (block_t, block_v, chunk) in (("before", before), ("after", row["after"])):
         plan = TilePlan(block_t=block_t, block_v=block_v, token_chunk=chunk,
                         vmem_limit_bytes=after.vmem_limit_bytes)
@@ -135,6 +238,10 @@ def main(argv=None):
   parser.add_argument("--fresh", action="store_true", help="measure every case again")
   parser.add_argument("--plans", action="store_true",
                       help="only compare the plans before and after the calibration")
+  parser.add_argument("--plans40", action="store_true",
+                      help="compare the plans before and after issue 40's VMEM model")
+  parser.add_argument("--grid", action="store_true",
+                      help="measure the planner's plans over the grid of chips and shapes")
   parser.add_argument("--out", default="docs/results/tpu_vmem.json")
   args = parser.parse_args(argv)
   reason = compiler.libtpu_missing_reason()
@@ -143,13 +250,30 @@ def main(argv=None):
   out = pathlib.Path(args.out)
   saved = {} if args.fresh or not out.exists() else json.loads(out.read_text())
   results, plans = saved.get("cases", {}), saved.get("plans", {})
+  grid = saved.get("grid", {})
 
   def save():
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"tokens": TOKENS, "vocab": VOCAB, "base": BASE,
-                               "cases": results, "plans": plans}, indent=1) + "\n")
+                               "cases": results, "plans": plans, "grid": grid}, indent=1) + "\n")
+
+  if args.grid:
+    # Before libtpu loads: every operand through its window (see the flags).
+    os.environ["LIBTPU_INIT_ARGS"] = " ".join(
+        [os.environ.get("LIBTPU_INIT_ARGS", ""), compiler.WINDOWS_ONLY_FLAGS]).strip()
+    chips = GRID_CHIPS if args.chips == parser.get_default("chips") else args.chips
+    kernels = (GRID_KERNELS if args.kernels == parser.get_default("kernels")
+               else args.kernels)
+    measure_grid(grid, save, chips=chips, kernels=kernels)
+    print(f"wrote {out}")
+    return
 
   cases = CASES[:1] if args.quick else CASES
+  if args.plans40:
+    compare_plans(plans, PLANS_BEFORE_ISSUE_40, prefix="plans40")
+    save()
+    print(f"wrote {out}")
+    return
   if args.plans:
     compare_plans(plans)
     save()

@@ -392,17 +392,51 @@ def kernel_loops(dump_dir: str) -> dict[str, int]:
   return loops
 
 
-_COMPILE_ONE = """
+# libtpu flags that turn off XLA:TPU's placement of whole arrays in VMEM
+# (memory-space assignment, per chip family: "gf" v5e, "vf" v5p). With it on,
+# XLA may hold a kernel's operand in VMEM outside the kernel's scoped limit,
+# and the kernel's need then depends on the rest of the program; off, every
+# operand goes through its window: the kernel's own worst case.
+WINDOWS_ONLY_FLAGS = ("--xla_gf_vmem_memory_space_assignment=false "
+                      "--xla_vf_vmem_memory_space_assignment=false")
+
+_CHILD = """
 import json, sys
 import jax.numpy as jnp
 from cutbce.kernels import compiler, tiling
 spec = json.loads(sys.argv[1])
+what = spec.pop("what")
 plan = spec.pop("plan")
 plan = None if plan is None else tiling.TilePlan(**plan)
 device = compiler.topology_devices(spec.pop("topology"))[0]
-compiler.compile_kernel(spec.pop("kernel"), plan=plan, device=device,
-                        dtype=jnp.dtype(spec.pop("dtype")), **spec)
+kwargs = dict(plan=plan, device=device, dtype=jnp.dtype(spec.pop("dtype")), **spec)
+kernel = kwargs.pop("kernel")
+if what == "compile":
+  compiler.compile_kernel(kernel, **kwargs)
+else:
+  print(json.dumps(compiler.measured_vmem_bytes(kernel, **kwargs)))
 """
+
+
+def _in_child(what: str, flags: str, kernel: str, *, topology: str, dtype, plan, timeout: float,
+              **kwargs) -> str:
+  """Runs `_CHILD` for one kernel with extra libtpu flags (read when libtpu loads); its stdout."""
+  import json  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  spec = dict(what=what, kernel=kernel, topology=topology, dtype=jnp.dtype(dtype).name,
+              plan=None if plan is None else dataclasses.asdict(plan), **kwargs)
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+             PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+             LIBTPU_INIT_ARGS=" ".join([os.environ.get("LIBTPU_INIT_ARGS", ""), flags]).strip())
+  result = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(spec)], env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+  if result.returncode != 0:
+    raise RuntimeError(f"compiling the {kernel} kernel for {topology} failed: "
+                       + " | ".join(result.stderr.strip().splitlines()[-3:]))
+  return result.stdout
 
 
 def compiled_kernel_loops(kernel: str, *, topology: str, num_tokens: int, vocab: int, dim: int,
@@ -415,26 +449,26 @@ def compiled_kernel_loops(kernel: str, *, topology: str, num_tokens: int, vocab:
   Raises:
     RuntimeError: the child failed (its last lines of stderr are in the message).
   """
-  import json  # pylint: disable=import-outside-toplevel
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
   import tempfile  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  spec = dict(kernel=kernel, topology=topology, num_tokens=num_tokens, vocab=vocab, dim=dim,
-              dtype=jnp.dtype(dtype).name,
-              plan=None if plan is None else dataclasses.asdict(plan), **kwargs)
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   with tempfile.TemporaryDirectory() as dump:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-               LIBTPU_INIT_ARGS=" ".join([os.environ.get("LIBTPU_INIT_ARGS", ""),
-                                          _LLO_DUMP_FLAGS.format(path=dump)]).strip())
-    result = subprocess.run([sys.executable, "-c", _COMPILE_ONE, json.dumps(spec)], env=env,
-                            capture_output=True, text=True, timeout=timeout, check=False)
-    if result.returncode != 0:
-      raise RuntimeError(f"compiling the {kernel} kernel for {topology} failed: "
-                         + " | ".join(result.stderr.strip().splitlines()[-3:]))
+    _in_child("compile", _LLO_DUMP_FLAGS.format(path=dump), kernel, topology=topology,
+              num_tokens=num_tokens, vocab=vocab, dim=dim, dtype=dtype, plan=plan,
+              timeout=timeout, **kwargs)
     return kernel_loops(dump)
+
+
+def windows_only_vmem_bytes(kernel: str, *, topology: str, num_tokens: int, vocab: int,
+                            dim: int, dtype, plan, timeout: float = 600, **kwargs) -> int:
+  """`measured_vmem_bytes` with XLA's VMEM placement off (`WINDOWS_ONLY_FLAGS`), in a child.
+
+  The kernel's need when every operand goes through its window: what
+  `tiling.vmem_estimate` models. With the placement on (the default) the
+  need is this or less.
+  """
+  out = _in_child("measure", WINDOWS_ONLY_FLAGS, kernel, topology=topology,
+                  num_tokens=num_tokens, vocab=vocab, dim=dim, dtype=dtype, plan=plan,
+                  timeout=timeout, **kwargs)
+  return int(out.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------- #

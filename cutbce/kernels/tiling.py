@@ -228,27 +228,47 @@ KERNELS = ("forward", "backward", "ranks")
 
 
 # Mosaic's own scoped VMEM beside the buffers counted below (its internal
-# scratch, layout rounding): the largest gap measured between the counted
-# buffers and the compiler's allocation was under 1 MiB.
+# scratch is 36 KiB; the rest is slack for what the model rounds away).
 MOSAIC_SCRATCH_BYTES = 1 * MIB
+# Live [block_t, block_v] float32 tiles of each kernel's body, as Mosaic
+# allocates them (measured, `benchmarks/tpu_vmem.py --grid`, with XLA's VMEM
+# placement of operands off, so every operand goes through its window). When
+# the chunk is one `block_t` tile the body is straight-line code and Mosaic
+# keeps the forward's elementwise chain in vector registers; when it walks
+# several sub-tiles (`fori_loop`) the logits are materialized.
+BODY_TILES = {
+    # kernel: (one sub-tile, a loop of sub-tiles)
+    "forward": (0.1, 1.25),  # the logits (+ the fused softplus chain)
+    "backward": (2.0, 2.0),  # logits and the scaled gradient in f32
+    "ranks": (1.5, 2.5),  # logits, one target's comparison, its f32 count
+}
+# Further live temporaries of the body, measured rather than derived: the
+# backward's per-token [block_t, 1] f32 vectors (scale, row masks, sums: 8,
+# each padded to 128 lanes) and the rank kernel's [block_t, D] f32 rows (2).
+BODY_TOKEN_VECTORS = 8
+BODY_ROWS = 2
 
 
 def vmem_estimate(
     kernel: str, *, token_chunk: int, block_t: int, block_v: int, dim: int,
     itemsize: int, num_targets: int = PLANNED_TARGETS, extra_logit_tiles: int = 0,
+    num_tokens: int | None = None, cores: int = 1, with_loss: bool = True,
 ) -> int:
-  """Bytes of VMEM live at once in one of the TPU kernels (see docs/kernels.md).
+  """Bytes of VMEM one of the TPU kernels needs (see docs/kernels.md, "VMEM accounting").
 
-  Calibrated against the TPU compiler (`benchmarks/tpu_vmem.py`: the smallest
-  `vmem_limit_bytes` Mosaic compiles each kernel with, on v5e and v6e, over
-  tiles, chunks, D, dtypes, bias and variants): an upper bound of every
-  measured case. Every BlockSpec'd operand is counted double-buffered by the
-  Pallas pipeline, `[chunk, 1]` per-token blocks too, each buffer padded to
-  128 lanes (at chunk 57,856 Mosaic holds exactly that: two 56.5 MiB windows
-  of an f32 `[chunk, 1]` output; at chunk 4,096 it needed less);
-  Mosaic fuses the elementwise work on a logit tile, so a kernel holds about
-  two `[block_t, block_v]` float32 tiles (the logits and one temporary), not
-  one per operation.
+  Modelled on what Mosaic allocates (`benchmarks/tpu_vmem.py --grid` measures
+  it, `tests/cutbce/kernels/test_vmem_band.py` holds the model to 1.0-1.5x
+  of it): every BlockSpec'd operand's window, each buffer padded to whole
+  (8 or 16 rows, 128 lanes) tiles, twice (the Pallas pipeline's two
+  buffers) unless its block index never changes over the grid (one buffer:
+  the backward's token-side inputs within its per-chunk call, and its
+  outputs on one core; the forward's and rank kernel's token blocks when one
+  chunk holds every token); the body's live f32 logit tiles (`BODY_TILES`)
+  and other temporaries (`BODY_TOKEN_VECTORS`, `BODY_ROWS`, the dE product,
+  f32's transposed table); and `MOSAIC_SCRATCH_BYTES`.
+  Measured with XLA's placement of operands in VMEM off: with it on (the
+  default) XLA may hold an operand in VMEM outside the kernel's scoped
+  limit, and the kernel then needs less, never more.
 
   Args:
     kernel: "forward", "backward" or "ranks".
@@ -260,46 +280,72 @@ def vmem_estimate(
     num_targets: L, for the rank kernel.
     extra_logit_tiles: further `[block_t, block_v]` f32 temporaries of the
       loss variants (a soft cap's tanh, the focal factor and their derivatives).
+    num_tokens: T, when known: a chunk holding all of it is one block for the
+      whole grid (single-buffered). None counts the token blocks twice.
+    cores: TensorCores the backward's sweep is split over (`tensor_cores`):
+      with 2 its per-core dh (and sum) outputs are indexed by the core axis
+      and get two buffers.
+    with_loss: the backward also sums the loss and counts (the one-pass
+      kernel); the planner counts them, for one plan that serves both.
   """
   c, bt, bv, d, s = token_chunk, block_t, block_v, dim, itemsize
+  if kernel not in KERNELS:
+    raise ValueError(f"kernel must be 'forward', 'backward' or 'ranks', got {kernel!r}")
   logit_tile = buffer_bytes(bt, bv, 4)  # one [block_t, block_v] f32 buffer
-  token_vector = 2 * buffer_bytes(c, 1, 4)  # a [chunk, 1] f32/int32 block, 128 lanes, x2
+  looped = c > bt  # the chunk is walked in several sub-tiles
+  # Token-side blocks of the forward and ranks grids: one buffer when a
+  # single chunk holds every token (their index never changes).
+  one_chunk = num_tokens is not None and c >= num_tokens
+  tok = 1 if one_chunk else 2
   total = MOSAIC_SCRATCH_BYTES
+  total += int(BODY_TILES[kernel][looped] * logit_tile)  # the body's f32 logit tiles
+  if kernel == "backward":
+    total += BODY_TOKEN_VECTORS * buffer_bytes(bt, 1, 4)  # [block_t, 1] f32 vectors
+  elif kernel == "ranks":
+    total += BODY_ROWS * buffer_bytes(bt, d, 4)  # [block_t, D] f32 rows
+  if s == 4 and looped:
+    # f32 logits h . e^T in a loop of sub-tiles: the table tile, transposed
+    # for the MXU, is hoisted out of the loop as a [D, block_v] f32 copy.
+    total += buffer_bytes(d, bv, 4)
   total += extra_logit_tiles * logit_tile  # variants' elementwise temporaries
-  total += 2 * buffer_bytes(c, d, s)  # hidden chunk block [chunk, D], x2 buffers
   total += 2 * buffer_bytes(bv, d, s)  # table tile [block_v, D], x2 buffers
   total += 2 * buffer_bytes(1, bv, 4)  # bias tile [1, block_v] f32, x2 buffers
   if kernel == "forward":
-    total += 2 * token_vector  # softplus-sum and count outputs [chunk, 1]
-    total += 2 * logit_tile  # logits and one fused elementwise temporary
+    total += tok * buffer_bytes(c, d, s)  # hidden chunk block [chunk, D]
+    total += 2 * tok * buffer_bytes(c, 1, 4)  # softplus-sum and count outputs [chunk, 1]
   elif kernel == "backward":
-    total += token_vector  # scale g_t [chunk, 1] f32
-    total += 2 * token_vector  # one pass: loss-sum and count outputs [chunk, 1]
-    total += 2 * buffer_bytes(c, d, 4)  # dh accumulator output block [chunk, D] f32, x2
+    # One call per chunk: the token-side inputs never change within it (one
+    # buffer); the outputs neither, on one core.
+    out = 2 if cores > 1 else 1
+    total += buffer_bytes(c, d, s)  # hidden chunk block [chunk, D]
+    total += buffer_bytes(c, 1, 4)  # scale g_t [chunk, 1] f32
+    # Fixed columns' ids (int32) and values (f32) [chunk, K] (counted at one
+    # lane tile, K <= 128, whether or not a call passes them).
+    total += 2 * buffer_bytes(c, PLANNED_FIXED_COLUMNS, 4)
+    total += out * buffer_bytes(c, d, 4)  # dh accumulator output block [chunk, D] f32
+    if with_loss:
+      total += 2 * out * buffer_bytes(c, 1, 4)  # loss-sum and count outputs [chunk, 1]
     total += 2 * buffer_bytes(bv, d, 4)  # dE input block (aliased, sparse part), x2
     total += 2 * buffer_bytes(bv, d, 4)  # dE output block [block_v, D] f32, x2
     total += 2 * 2 * buffer_bytes(1, bv, 4)  # db input and output blocks [1, block_v], x2
-    total += 2 * logit_tile  # logits and the scaled logit gradient
-    total += buffer_bytes(bt, bv, s)  # logit gradient in the MXU dtype
-    # Fixed columns' ids (int32) and values (f32) [chunk, K], x2 buffers each
-    # (counted at one lane tile, K <= 128, whether or not a call passes them).
-    total += 2 * 2 * buffer_bytes(c, PLANNED_FIXED_COLUMNS, 4)
-  elif kernel == "ranks":
-    total += 3 * 2 * buffer_bytes(c, num_targets, 4)  # target logits, ids, counts [chunk, L], x2
-    total += 2 * logit_tile  # logits and the comparison of one target
-  else:
-    raise ValueError(f"kernel must be 'forward', 'backward' or 'ranks', got {kernel!r}")
+    total += buffer_bytes(bv, d, 4)  # the dE product G^T @ h [block_v, D] f32, then added
+    if s < 4:  # the logit gradient cast for the MXU (about half of it live)
+      total += buffer_bytes(bt, bv, s) // 2
+  else:  # ranks
+    total += tok * buffer_bytes(c, d, s)  # hidden chunk block [chunk, D]
+    total += 3 * tok * buffer_bytes(c, num_targets, 4)  # target logits, ids, counts [chunk, L]
   return total
 
 
 def plan_vmem_bytes(plan: TilePlan, dim: int, itemsize: int, num_targets: int = PLANNED_TARGETS,
-                    kernels=KERNELS, extra_logit_tiles: int = 0) -> int:
+                    kernels=KERNELS, extra_logit_tiles: int = 0,
+                    num_tokens: int | None = None, cores: int = 1) -> int:
   """Largest `vmem_estimate` over `kernels` (default: all three TPU kernels) for `plan`."""
   return max(
       vmem_estimate(
           kernel, token_chunk=plan.token_chunk, block_t=plan.block_t,
           block_v=plan.block_v, dim=dim, itemsize=itemsize, num_targets=num_targets,
-          extra_logit_tiles=extra_logit_tiles,
+          extra_logit_tiles=extra_logit_tiles, num_tokens=num_tokens, cores=cores,
       )
       for kernel in kernels
   )
@@ -387,8 +433,10 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
   if kernel is not None and kernel not in KERNELS:
     raise ValueError(f"kernel must be one of {list(KERNELS)} or None, got {kernel!r}")
   kernels = KERNELS if kernel is None else (kernel,)
-  sizing = dict(num_targets=num_targets, kernels=kernels, extra_logit_tiles=extra_logit_tiles)
   spec = chip_spec(chip)
+  cores = MEGACORE_TENSOR_CORES.get(spec.name, 1)
+  sizing = dict(num_targets=num_targets, kernels=kernels, extra_logit_tiles=extra_logit_tiles,
+                cores=cores)
   budget = vmem_budget(spec)
   mxu = spec.mxu_column_size
   tokens_padded = _round_up(num_tokens, mxu)
@@ -398,7 +446,6 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
     for block_v in sorted({min(bv, vocab_padded) for bv in BLOCK_V_CHOICES if bv % mxu == 0}):
       if 4 * block_t * block_v > MAX_LOGIT_TILE_BYTES:
         continue
-      cores = MEGACORE_TENSOR_CORES.get(spec.name, 1)
       chunk = _largest_chunk(num_tokens, block_t, block_v, dim, itemsize, budget, sizing,
                              min_chunks=cores)
       if chunk is None:
@@ -440,12 +487,15 @@ def _largest_chunk(num_tokens, block_t, block_v, dim, itemsize, budget, sizing, 
   At most 1/`min_chunks` of the token tiles (rounded up), so that T spanning
   `min_chunks` tiles or more takes at least `min_chunks` chunks.
   """
-  most = -(-(_round_up(num_tokens, block_t) // block_t) // min_chunks)
+  tiles = _round_up(num_tokens, block_t) // block_t
+  most = -(-tiles // min_chunks)
 
-  def fits(multiple):
+  def fits(multiple, tokens=None):
     plan = TilePlan(block_v=block_v, block_t=block_t, token_chunk=multiple * block_t)
-    return plan_vmem_bytes(plan, dim, itemsize, **sizing) <= budget
+    return plan_vmem_bytes(plan, dim, itemsize, num_tokens=tokens, **sizing) <= budget
 
+  if most == tiles and fits(most, num_tokens):
+    return most * block_t  # one chunk of every token: its blocks are single-buffered
   if not fits(1):
     return None
   low, high = 1, most  # the estimate grows with the chunk: bisect

@@ -21,7 +21,10 @@ vocab tile (table rows and logit columns past V) and the ragged token count
 
   forward      grid (chunks "parallel", vocab tiles "arbitrary"), 1 matmul
                per tile; per-token sums accumulate in `[chunk, 1]` output blocks.
-  backward     one call per chunk, grid (vocab tiles "arbitrary"), 3 matmuls
+  backward     one call per chunk, grid (vocab tiles "arbitrary"), or on a
+               megacore chip (v4, v5p) (cores "parallel", tiles per core
+               "arbitrary"): each TensorCore its own dE rows and its own dh
+               partial, summed after the call. 3 matmuls
                per tile (logits, G @ E, G^T @ H); dh accumulates in a resident
                f32 `[chunk, D]` output block written once, dE in a
                `[block_v, D]` f32 block written once per step, updated in place
@@ -249,7 +252,7 @@ class _Geometry(NamedTuple):
 
 def _geometry(plan: TilePlan | None, hidden, table, kernel: str, num_targets: int = 0, *,
               num_items: int | None = None, options: LossOptions = variants.PLAIN,
-              softmax: "_Softmax | None" = None) -> _Geometry:
+              softmax: "_Softmax | None" = None, with_loss: bool = True) -> _Geometry:
   """Clamps `plan` to the shapes, checks layout legality and the VMEM estimate.
 
   With `plan=None` the kernel plans for itself (`default_plan` of `kernel`).
@@ -295,9 +298,14 @@ def _geometry(plan: TilePlan | None, hidden, table, kernel: str, num_targets: in
     # num_items follow) the items rounded up to whole lanes.
     block_v = min(tiling._round_up(vocab, tiling.LANES), rows)  # pylint: disable=protected-access
     block_v = rows if block_v >= rows else block_v
+  num_vocab_tiles = _cdiv(vocab, block_v)
+  # The backward's vocab axis carries dh, so it is "arbitrary": on a megacore
+  # chip it is cut into one slice per TensorCore, a "parallel" axis of its own.
+  cores = tiling.tensor_cores() if kernel == "backward" and num_vocab_tiles > 1 else 1
   estimate = tiling.vmem_estimate(
       kernel, token_chunk=chunk, block_t=block_t, block_v=block_v, dim=dim,
       itemsize=itemsize, num_targets=max(num_targets, 1), extra_logit_tiles=extra_tiles,
+      num_tokens=num_tokens, cores=cores, with_loss=with_loss,
   )
   if estimate > plan.vmem_limit_bytes and not getattr(_VMEM_CHECK, "off", False):
     raise ValueError(
@@ -305,10 +313,6 @@ def _geometry(plan: TilePlan | None, hidden, table, kernel: str, num_targets: in
         f"kernel at T={num_tokens}, V={vocab}, D={dim}, {hidden.dtype}, over its "
         f"vmem_limit_bytes of {plan.vmem_limit_bytes / tiling.MIB:.1f} MiB"
     )
-  num_vocab_tiles = _cdiv(vocab, block_v)
-  # The backward's vocab axis carries dh, so it is "arbitrary": on a megacore
-  # chip it is cut into one slice per TensorCore, a "parallel" axis of its own.
-  cores = tiling.tensor_cores() if kernel == "backward" and num_vocab_tiles > 1 else 1
   return _Geometry(
       num_tokens=num_tokens, vocab=vocab, chunk=chunk, block_t=block_t, block_v=block_v,
       num_chunks=_cdiv(num_tokens, chunk), num_subtiles=chunk // block_t,
@@ -665,7 +669,7 @@ def _backward(hidden, table, bias, scale, table_grad, bias_grad, log_z=None, off
   _check_supported(hidden, table, plan)
   hidden, table = _common_dtype(hidden, table)
   geom = _geometry(plan, hidden, table, "backward", num_items=num_items, options=options,
-                   softmax=softmax)
+                   softmax=softmax, with_loss=with_loss or with_counts)
   num_tokens, dim = hidden.shape
   vocab = table.shape[0]
   has_bias = bias is not None

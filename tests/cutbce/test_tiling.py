@@ -64,12 +64,29 @@ def test_chip_spec_comes_from_jax():
 
 
 def test_estimate_grows_with_every_tile_size():
-  base = dict(token_chunk=512, block_t=256, block_v=512, dim=128, itemsize=2)
+  # A chunk of several block_t sub-tiles (a loop in the kernel) before and after.
+  base = dict(token_chunk=2048, block_t=256, block_v=512, dim=128, itemsize=2)
   for kernel in ("forward", "backward", "ranks"):
     small = tiling.vmem_estimate(kernel, **base)
-    for name in ("token_chunk", "block_t", "block_v", "dim"):
+    for name in ("token_chunk", "block_t", "block_v", "dim", "itemsize"):
       bigger = dict(base, **{name: base[name] * 2})
       assert tiling.vmem_estimate(kernel, **bigger) > small, (kernel, name)
+
+
+def test_estimate_counts_blocks_fixed_over_the_grid_once():
+  # One chunk of every token: its blocks never change, Mosaic keeps one buffer.
+  plan = dict(token_chunk=4096, block_t=256, block_v=4096, dim=128, itemsize=2)
+  for kernel in ("forward", "ranks"):
+    two = tiling.vmem_estimate(kernel, **plan, num_tokens=8192)
+    one = tiling.vmem_estimate(kernel, **plan, num_tokens=4096)
+    assert one < two == tiling.vmem_estimate(kernel, **plan), kernel
+  # The backward runs one call per chunk: its token blocks are fixed within each.
+  assert (tiling.vmem_estimate("backward", **plan, num_tokens=8192)
+          == tiling.vmem_estimate("backward", **plan, num_tokens=4096))
+  # A chunk of one sub-tile is straight-line code: the forward's logits stay in registers.
+  unrolled = tiling.vmem_estimate("forward", **dict(plan, token_chunk=256))
+  looped = tiling.vmem_estimate("forward", **dict(plan, token_chunk=512))
+  assert looped - unrolled > tiling.buffer_bytes(256, 4096, 4)
 
 
 def test_no_plan_fits_names_chip_shapes_and_budget():
@@ -104,9 +121,10 @@ def test_each_kernel_plans_for_itself():
   forward = tiling.plan_tiles(tokens, vocab, dim, "bfloat16", chip="v5e", kernel="forward")
   ranks = tiling.plan_tiles(tokens, vocab, dim, "bfloat16", chip="v5e", kernel="ranks",
                             num_targets=8)
-  assert forward.token_chunk >= shared.token_chunk
-  assert ranks.token_chunk >= shared.token_chunk
-  assert max(forward.token_chunk, ranks.token_chunk) > shared.token_chunk
+  chunks = lambda plan: -(-tokens // plan.token_chunk)  # noqa: E731
+  assert chunks(forward) <= chunks(shared) and chunks(ranks) <= chunks(shared)
+  # The room the backward's blocks would take goes to wider logit tiles.
+  assert forward.block_t * forward.block_v > shared.block_t * shared.block_v
   budget = tiling.vmem_budget(tiling.chip_spec("v5e"))
   assert tiling.plan_vmem_bytes(forward, dim, 2, kernels=("forward",)) <= budget
   with pytest.raises(ValueError, match="kernel must be one of"):

@@ -231,7 +231,8 @@ def format_plans(results: list[dict[str, Any]]) -> str:
       if k["dim"] and k["dtype"] in ("bf16", "f32") and kind in tiling.KERNELS:
         planned = tiling.vmem_estimate(
             kind, token_chunk=chunk, block_t=k["block_t"], block_v=k["block_v"], dim=k["dim"],
-            itemsize=2 if k["dtype"] == "bf16" else 4, num_targets=8)
+            itemsize=2 if k["dtype"] == "bf16" else 4, num_targets=8,
+            num_tokens=k["tokens"], cores=k["cores"])
       mib = lambda b: "-" if b is None else f"{b / _MIB:.1f}"  # noqa: E731
       lines.append(
           f"{r['step']:<8} {k['kernel']:<17} tiles {k['block_t']} x {k['block_v']}, "
