@@ -60,7 +60,7 @@ from cutbce.variants import LossOptions
 rank_logits = triton.rank_logits
 rank_counts = triton.rank_counts
 
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+SUPPORTED_DTYPES = gpu_plan.SUPPORTED_DTYPES
 PIECES = {jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float32): 3}
 # Fixed columns per token the kernels compare in a tile (unrolled); the
 # sweeps of `cutbce.tiled` keep any past it as sparse corrections.
@@ -84,14 +84,10 @@ def _interpret_params():
 
 def unsupported_reason(num_tokens, vocab, dim, hidden_dtype, table_dtype, plan=None) -> str | None:
   """Why these inputs cannot run on the GPU kernels, or None when they can."""
+  problem = gpu_plan.input_problem(num_tokens, hidden_dtype, table_dtype)
+  if problem is not None:
+    return problem
   dtype = jnp.result_type(jnp.dtype(hidden_dtype), jnp.dtype(table_dtype))
-  if dtype not in SUPPORTED_DTYPES:
-    return (
-        "the Pallas GPU kernels compute in float32 or bfloat16; got hidden "
-        f"{jnp.dtype(hidden_dtype)} and table {jnp.dtype(table_dtype)} (common type {dtype})"
-    )
-  if num_tokens < 1:
-    return f"the Pallas GPU kernels need at least one token, got T={num_tokens}"
   try:
     mosaic_plan.geometry(num_tokens, vocab, vocab, dim, PIECES[dtype], 0, plan)
   except ValueError as error:

@@ -167,6 +167,22 @@ def plan_tiles(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
   )
 
 
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def input_problem(num_tokens, hidden_dtype, table_dtype) -> str | None:
+  """Why inputs cannot run on either GPU kernel set (dtype, no tokens), or None."""
+  dtype = jnp.result_type(jnp.dtype(hidden_dtype), jnp.dtype(table_dtype))
+  if dtype not in SUPPORTED_DTYPES:
+    return (
+        "the Pallas GPU kernels compute in float32 or bfloat16; got hidden "
+        f"{jnp.dtype(hidden_dtype)} and table {jnp.dtype(table_dtype)} (common type {dtype})"
+    )
+  if num_tokens < 1:
+    return f"the Pallas GPU kernels need at least one token, got T={num_tokens}"
+  return None
+
+
 def plan_problem(plan: TilePlan) -> str | None:
   """Why a user's `plan` cannot tile the GPU kernels (Triton's power-of-two rule), or None."""
   problems = []

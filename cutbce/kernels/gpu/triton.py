@@ -60,7 +60,7 @@ from cutbce.kernels.gpu.plan import Geometry
 from cutbce.kernels.tiling import TilePlan
 from cutbce.variants import LossOptions
 
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+SUPPORTED_DTYPES = gpu_plan.SUPPORTED_DTYPES
 # Targets per rank-kernel call: its comparison loop over L is unrolled.
 MAX_RANK_TARGETS = 32
 NT_DIMS = (((1,), (1,)), ((), ()))  # [M, K] x [N, K] -> [M, N]
@@ -117,14 +117,10 @@ def _compiler_params(geom: Geometry):
 
 def unsupported_reason(num_tokens, vocab, dim, hidden_dtype, table_dtype, plan=None) -> str | None:
   """Why these inputs cannot run on the GPU kernels, or None when they can."""
+  problem = gpu_plan.input_problem(num_tokens, hidden_dtype, table_dtype)
+  if problem is not None:
+    return problem
   dtype = jnp.result_type(jnp.dtype(hidden_dtype), jnp.dtype(table_dtype))
-  if dtype not in SUPPORTED_DTYPES:
-    return (
-        "the Pallas GPU kernels compute in float32 or bfloat16; got hidden "
-        f"{jnp.dtype(hidden_dtype)} and table {jnp.dtype(table_dtype)} (common type {dtype})"
-    )
-  if num_tokens < 1:
-    return f"the Pallas GPU kernels need at least one token, got T={num_tokens}"
   if plan is not None:
     problem = gpu_plan.plan_problem(plan)
     if problem:
