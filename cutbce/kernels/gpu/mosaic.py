@@ -215,7 +215,7 @@ def _compiled_here() -> bool:
   return jax.default_backend() == "gpu" or gpu_plan.current_target_name() is not None
 
 
-def _call(hidden, table, bias, plan, num_items, kind: str, **side):
+def _call(hidden, table, bias, plan, num_items, **side):
   """(Geometry, prepared operands, padded side, interpret, params) of one call.
 
   The kernels are compiled by Mosaic GPU where a GPU is jax's default backend
@@ -225,7 +225,6 @@ def _call(hidden, table, bias, plan, num_items, kind: str, **side):
   (`lax.platform_dependent`): the interpreter's ordered callbacks give its
   branch effects the compiled branch lacks.
   """
-  del kind
   geom = _geometry(hidden, table, plan, num_items, side)
   interpret = not _compiled_here()
   params = _interpret_params() if interpret else None
@@ -239,7 +238,7 @@ def _sum_splits(array, geom: Geometry):
 def _sweep(hidden, table, bias, *, plan, num_items, kind, with_loss, with_counts, with_grad,
            **side):
   geom, (hidden_p, table_p, bias_p), side_arrays, interpret, params = _call(
-      hidden, table, bias, plan, num_items, kind, **side)
+      hidden, table, bias, plan, num_items, **side)
   flags = kernels.Flags(kind, bias is not None, with_loss, with_counts, with_grad)
   out = kernels.sweep(hidden_p, table_p, bias_p, side_arrays, geom=geom, flags=flags,
                       interpret=interpret, params=params)
@@ -255,7 +254,7 @@ def _sweep(hidden, table, bias, *, plan, num_items, kind, with_loss, with_counts
 def _table_grad(hidden, table, bias, *, plan, num_items, kind, **side):
   """dE `[V, D]` f32 (rows past num_items 0) and db `[V]` f32 or None of the dense part."""
   geom, (hidden_p, table_p, bias_p), side_arrays, interpret, params = _call(
-      hidden, table, bias, plan, num_items, kind, **side)
+      hidden, table, bias, plan, num_items, **side)
   flags = kernels.Flags(kind, bias is not None, False, False, True)
   table_grad, bias_grad = kernels.table_grad(hidden_p, table_p, bias_p, side_arrays, geom=geom,
                                              flags=flags, interpret=interpret, params=params)
