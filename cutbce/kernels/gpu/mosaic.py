@@ -89,7 +89,7 @@ def unsupported_reason(num_tokens, vocab, dim, hidden_dtype, table_dtype, plan=N
     return problem
   dtype = jnp.result_type(jnp.dtype(hidden_dtype), jnp.dtype(table_dtype))
   try:
-    mosaic_plan.geometry(num_tokens, vocab, vocab, dim, PIECES[dtype], 0, plan)
+    mosaic_plan.geometry(num_tokens, vocab, dim, PIECES[dtype], plan=plan)
   except ValueError as error:
     return str(error)
   return None
@@ -114,7 +114,7 @@ def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
     raise NotImplementedError(
         f"the Pallas GPU kernels take float32 or bfloat16, got {jnp.dtype(dtype)}")
   try:
-    geom = mosaic_plan.geometry(num_tokens, vocab, vocab, dim, PIECES[jnp.dtype(dtype)], 0)
+    geom = mosaic_plan.geometry(num_tokens, vocab, dim, PIECES[jnp.dtype(dtype)])
   except ValueError as error:
     raise NotImplementedError(str(error)) from error
   return TilePlan(block_v=geom.block_v, block_t=BLOCK_T)
@@ -203,11 +203,10 @@ def _geometry(hidden, table, plan, num_items, side: dict) -> Geometry:
   if reason is not None:
     raise NotImplementedError(reason)
   num_items = table.shape[0] if num_items is None else num_items
-  num_fixed = 0 if side.get("fixed_ids") is None else side["fixed_ids"].shape[-1]
   token_rows = len(kernels.VECTOR_FIELDS) + sum(
       0 if side.get(name) is None else side[name].shape[-1] for name in kernels.LIST_FIELDS)
-  return mosaic_plan.geometry(hidden.shape[0], num_items, num_items, hidden.shape[1],
-                              PIECES[dtype], num_fixed, plan, token_rows=token_rows)
+  return mosaic_plan.geometry(hidden.shape[0], num_items, hidden.shape[1], PIECES[dtype],
+                              token_rows, plan)
 
 
 def _compiled_here() -> bool:

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from cutbce.kernels.gpu import mosaic_ops as ops
+from cutbce.kernels.gpu import pieces
 from cutbce.kernels.gpu.mosaic_plan import BLOCK_T, TABLE_BLOCK_V, Geometry
 
 VECTOR_FIELDS = ("scale", "log_z", "offset", "limit")
@@ -166,17 +167,10 @@ def _grad_tile(kind, logits, columns, geom, side):
 
 
 def _store_pieces(grad, smem_refs):
-  """G split into bfloat16 pieces (`pieces.split_pieces`), into the shared memory the next dot reads.
-
-  Each piece is stored as soon as it is made, so at most G's rest and one
-  piece are live in registers.
-  """
-  rest = grad
-  for index, ref in enumerate(smem_refs):
-    piece = rest.astype(ref.dtype)
+  """G split into bfloat16 pieces (`pieces.iter_pieces`), into the shared memory the next
+  dot reads, each stored as soon as it is made."""
+  for ref, piece in zip(smem_refs, pieces.iter_pieces(grad, len(smem_refs), smem_refs[0].dtype)):
     ref[...] = piece
-    if index + 1 < len(smem_refs):
-      rest = rest - piece.astype(jnp.float32)
   plgpu.commit_smem()
 
 
@@ -227,10 +221,10 @@ def _sweep_outputs(flags: Flags) -> tuple:
 
 
 def _sweep_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
-  pieces, block_v, stages = geom.pieces, geom.block_v, geom.stages
+  num_pieces, block_v, stages = geom.pieces, geom.block_v, geom.stages
   refs = list(refs)
-  hidden_refs = [refs.pop(0) for _ in range(pieces)]  # [Tp, Dp] bf16 each
-  table_refs = [refs.pop(0) for _ in range(pieces)]  # [Vp, Dp] bf16 each
+  hidden_refs = [refs.pop(0) for _ in range(num_pieces)]  # [Tp, Dp] bf16 each
+  table_refs = [refs.pop(0) for _ in range(num_pieces)]  # [Vp, Dp] bf16 each
   bias_ref = refs.pop(0) if flags.has_bias else None  # [Vp] f32
   side_refs = {name: refs.pop(0) for name in side.names}  # [Tp] or [n, Tp]
   out_refs = {name: refs.pop(0) for name in _sweep_outputs(flags)}  # [splits, Tp(, Dp)] f32
@@ -260,7 +254,7 @@ def _sweep_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
     pl.when(slot < num_tiles)(functools.partial(issue, slot, slot))
   for index in range(len(resident)):
     plgpu.barrier_wait(resident_barrier.at[index])
-  products = ops.PRODUCTS[pieces]
+  products = pieces.PRODUCTS[num_pieces]
   softmax_forward = flags.kind == "softmax" and flags.with_loss
   values = _load_side(side_smem, side, interpret)  # resident: read once
 
@@ -334,18 +328,18 @@ def _softmax_step(carry, logits, columns, geom, side, with_counts):
 
 
 def _sweep_scratch(geom: Geometry, flags: Flags, side: Side):
-  pieces, stages, dim, block_v = geom.pieces, geom.stages, geom.dim_padded, geom.block_v
+  num_pieces, stages, dim, block_v = geom.pieces, geom.stages, geom.dim_padded, geom.block_v
   return (
-      [_smem((BLOCK_T, dim), tiled=True) for _ in range(pieces)],  # hidden pieces
-      [_smem((stages, block_v, dim), tiled=True) for _ in range(pieces)],  # table pieces
+      [_smem((BLOCK_T, dim), tiled=True) for _ in range(num_pieces)],  # hidden pieces
+      [_smem((stages, block_v, dim), tiled=True) for _ in range(num_pieces)],  # table pieces
       _smem((stages, block_v), jnp.float32) if flags.has_bias else None,
       _side_smem(side),
-      [_smem((BLOCK_T, block_v), tiled=True) for _ in range(pieces)] if flags.with_grad
+      [_smem((BLOCK_T, block_v), tiled=True) for _ in range(num_pieces)] if flags.with_grad
       else None,  # G pieces
       _smem((BLOCK_T, dim), jnp.float32) if flags.with_grad else None,  # dh staging
       _smem((3, BLOCK_T), jnp.float32),  # row sums staging
-      plgpu.Barrier(num_barriers=pieces + len(side.names)),
-      [plgpu.Barrier(num_barriers=stages) for _ in range(pieces + flags.has_bias)],
+      plgpu.Barrier(num_barriers=num_pieces + len(side.names)),
+      [plgpu.Barrier(num_barriers=stages) for _ in range(num_pieces + flags.has_bias)],
   )
 
 
@@ -380,10 +374,10 @@ def _table_kernel(*refs, geom: Geometry, flags: Flags, side: Side, interpret: bo
 
 
 def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
-  pieces, stages, has_bias = geom.pieces, geom.table_stages, flags.has_bias
+  num_pieces, stages, has_bias = geom.pieces, geom.table_stages, flags.has_bias
   refs = list(refs)
-  hidden_refs = [refs.pop(0) for _ in range(pieces)]  # [Tp, Dp] bf16 each
-  table_refs = [refs.pop(0) for _ in range(pieces)]  # [Vp, Dp] bf16 each
+  hidden_refs = [refs.pop(0) for _ in range(num_pieces)]  # [Tp, Dp] bf16 each
+  table_refs = [refs.pop(0) for _ in range(num_pieces)]  # [Vp, Dp] bf16 each
   bias_ref = refs.pop(0) if has_bias else None  # [Vp] f32
   side_refs = {name: refs.pop(0) for name in side.names}  # [Tp] or [n, Tp]
   table_grad_ref = refs.pop(0)  # [Vp, Dp] f32
@@ -416,7 +410,7 @@ def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
   for index in range(len(resident)):
     plgpu.barrier_wait(resident_barrier.at[index])
   bias = ops.load_vector(bias_smem, ops.COLUMNS, interpret) if has_bias else None
-  products = ops.PRODUCTS[pieces]
+  products = pieces.PRODUCTS[num_pieces]
 
   def step(tile, carry):
     table_grad, bias_grad = carry
@@ -455,17 +449,17 @@ def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
 
 
 def _table_scratch(geom: Geometry, flags: Flags, side: Side):
-  pieces, stages, dim = geom.pieces, geom.table_stages, geom.dim_padded
+  num_pieces, stages, dim = geom.pieces, geom.table_stages, geom.dim_padded
   return (
-      [_smem((TABLE_BLOCK_V, dim), tiled=True) for _ in range(pieces)],  # table tile pieces
+      [_smem((TABLE_BLOCK_V, dim), tiled=True) for _ in range(num_pieces)],  # table tile pieces
       _smem((TABLE_BLOCK_V,), jnp.float32) if flags.has_bias else None,
-      [_smem((stages, BLOCK_T, dim), tiled=True) for _ in range(pieces)],  # hidden pieces
+      [_smem((stages, BLOCK_T, dim), tiled=True) for _ in range(num_pieces)],  # hidden pieces
       _side_smem(side, (stages,)),
-      [_smem((BLOCK_T, TABLE_BLOCK_V), tiled=True) for _ in range(pieces)],  # G pieces
+      [_smem((BLOCK_T, TABLE_BLOCK_V), tiled=True) for _ in range(num_pieces)],  # G pieces
       _smem((TABLE_BLOCK_V, dim), jnp.float32),  # dE staging
       _smem((TABLE_BLOCK_V,), jnp.float32) if flags.has_bias else None,  # db staging
-      plgpu.Barrier(num_barriers=pieces + flags.has_bias),
-      [plgpu.Barrier(num_barriers=stages) for _ in range(pieces + len(side.names))],
+      plgpu.Barrier(num_barriers=num_pieces + flags.has_bias),
+      [plgpu.Barrier(num_barriers=stages) for _ in range(num_pieces + len(side.names))],
   )
 
 

@@ -36,7 +36,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from cutbce.kernels.gpu.pieces import PRODUCTS, split_pieces  # noqa: F401  (re-exported)
 
 WGMMA = plgpu.Layout.WGMMA  # an [M, N] wgmma accumulator tile in registers
 ROWS = WGMMA.reduce(1)  # an [M] vector, one entry per row of such a tile

@@ -66,7 +66,6 @@ class Geometry(NamedTuple):
   vocab_splits: int
   tiles_per_split: int
   pieces: int  # bfloat16 pieces per operand: 1 (bf16) or 3 (f32)
-  num_fixed: int  # fixed columns per token (K)
 
   @property
   def num_token_tiles(self) -> int:
@@ -128,13 +127,13 @@ def plan_problem(plan: TilePlan | None) -> str | None:
   return "; ".join(problems) or None
 
 
-def geometry(num_tokens: int, num_items: int, vocab_rows: int, dim: int, pieces: int,
-             num_fixed: int, plan: TilePlan | None = None,
-             spec: targets.GpuSpec | None = None, token_rows: int | None = None) -> Geometry:
+def geometry(num_tokens: int, num_items: int, dim: int, pieces: int, token_rows: int = 1,
+             plan: TilePlan | None = None, spec: targets.GpuSpec | None = None) -> Geometry:
   """The plan of one call for the device planned for (`plan.current_spec`).
 
-  `token_rows` counts the 4-byte per-token operands the kernels stage (g,
-  fixed ids and values, ...; default 1 + 2 `num_fixed`).
+  `num_items` rows are walked (the padded table's rows: a multiple of the
+  tile); `token_rows` counts the 4-byte per-token operands the kernels stage
+  (g, fixed ids and values, ...).
 
   Raises:
     ValueError: D is too wide, `plan` breaks the tile rules, or nothing fits.
@@ -146,7 +145,6 @@ def geometry(num_tokens: int, num_items: int, vocab_rows: int, dim: int, pieces:
   if problem:
     raise ValueError(f"TilePlan {plan} cannot tile the Mosaic GPU kernels: {problem}")
   dim_padded = round_up(dim, DIM_ALIGN)
-  token_rows = 1 + 2 * num_fixed if token_rows is None else token_rows
   budget = SHARED_MEMORY_FRACTION * spec.shared_memory_per_block_optin
   candidates = (plan.block_v,) if plan is not None else VOCAB_BLOCKS
   block_v = stages = None
@@ -167,15 +165,15 @@ def geometry(num_tokens: int, num_items: int, vocab_rows: int, dim: int, pieces:
         f"values per thread at block_v={smallest}, budget {REGISTER_VALUES}")
   if block_v is None or table_stages is None:
     raise ValueError(
-        f"no Mosaic GPU tile fits D={dim} with {pieces} operand piece(s) and {num_fixed} fixed "
-        f"columns on {spec.name}: "
+        f"no Mosaic GPU tile fits D={dim} with {pieces} operand piece(s) and {token_rows} "
+        f"per-token values on {spec.name}: "
         f"{sweep_shared_bytes(smallest, dim_padded, pieces, token_rows, MIN_STAGES)} B of shared "
         f"memory at the smallest tile, budget {budget:.0f} B")
   # Never a tile much wider than the catalog.
   while block_v > VOCAB_BLOCKS[-1] and block_v // 2 >= num_items:
     block_v //= 2
   tokens_padded = round_up(max(num_tokens, 1), BLOCK_T)
-  vocab_padded = round_up(max(vocab_rows, 1), block_v)
+  vocab_padded = round_up(max(num_items, 1), block_v)
   num_token_tiles = tokens_padded // BLOCK_T
   num_vocab_tiles = vocab_padded // block_v
   wanted = -(-CTAS_PER_CORE * spec.core_count // num_token_tiles)
@@ -186,4 +184,4 @@ def geometry(num_tokens: int, num_items: int, vocab_rows: int, dim: int, pieces:
       num_tokens=num_tokens, num_items=num_items, dim=dim, tokens_padded=tokens_padded,
       vocab_padded=vocab_padded, dim_padded=dim_padded, block_v=block_v, stages=stages,
       table_stages=table_stages, vocab_splits=splits, tiles_per_split=tiles_per_split,
-      pieces=pieces, num_fixed=num_fixed)
+      pieces=pieces)

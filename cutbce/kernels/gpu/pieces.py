@@ -20,15 +20,21 @@ import jax.numpy as jnp
 PRODUCTS = {1: ((0, 0),), 3: ((1, 1), (0, 2), (2, 0), (0, 1), (1, 0), (0, 0))}
 
 
+def iter_pieces(x, num_pieces: int, piece_dtype=jnp.bfloat16):
+  """The pieces of `split_pieces`, one at a time: the rest is computed only when
+  the next piece is asked for (a kernel storing each piece as it is made keeps
+  at most the rest and one piece live)."""
+  rest = x.astype(jnp.float32)
+  for index in range(num_pieces):
+    piece = rest.astype(piece_dtype)
+    yield piece
+    if index + 1 < num_pieces:
+      rest = rest - piece.astype(jnp.float32)
+
+
 def split_pieces(x, num_pieces: int, piece_dtype=jnp.bfloat16):
   """`num_pieces` arrays of `piece_dtype` summing to float32 `x` (to 2^-24 relative).
 
   One piece is a plain cast.
   """
-  rest = x.astype(jnp.float32)
-  pieces = []
-  for _ in range(num_pieces):
-    piece = rest.astype(piece_dtype)
-    pieces.append(piece)
-    rest = rest - piece.astype(jnp.float32)
-  return pieces
+  return list(iter_pieces(x, num_pieces, piece_dtype))

@@ -19,19 +19,16 @@ import numpy as np
 import pytest
 
 import cutbce
-from cutbce.kernels.gpu import mosaic, mosaic_ops, mosaic_plan, targets
+from cutbce.kernels.gpu import mosaic, mosaic_plan, targets
+from cutbce.kernels.gpu import pieces as gpu_pieces
 from cutbce.kernels.gpu import plan as gpu_plan
 from cutbce.kernels.tiling import TilePlan
 from tests.cutbce import cases, np_reference
+from tests.cutbce.kernels.test_gpu import _assert_grads, _jnp  # the Triton tests' helpers
 
 PLAN = TilePlan(block_v=64, block_t=64)
 CASE = cases.Case((3, 13), 1003, 24, 4, 5, 64)
 NUM_ITEMS = 1000
-
-
-def _jnp(raw, dtype):
-  return {k: (jnp.asarray(v, dtype) if k in ("hidden", "table", "bias") else jnp.asarray(v))
-          for k, v in raw.items()}
 
 
 def _run(fn, args, **kwargs):
@@ -44,13 +41,6 @@ def _run(fn, args, **kwargs):
   (value, stats), grads = grad_fn(args["hidden"], args["table"], args["bias"])
   jaxpr = str(jax.make_jaxpr(grad_fn)(args["hidden"], args["table"], args["bias"]))
   return value, stats, grads, jaxpr
-
-
-def _assert_grads(grads, want, rtol, atol_fraction):
-  for got, ref in zip(grads, want):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert np.all(np.isfinite(got))
-    np.testing.assert_allclose(got, ref, rtol=rtol, atol=atol_fraction * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
@@ -112,7 +102,7 @@ def test_pipelines_wrap_their_buffers(six_sm_gpu, reduction):
   del six_sm_gpu
   raw = cases.make_case(cases.Case((1, 199), 1003, 24, 2, 1, 64), seed=3, logit_scale=2.0)
   args = _jnp(raw, jnp.float32)
-  geom = mosaic_plan.geometry(199, NUM_ITEMS, NUM_ITEMS, 24, 3, 3, PLAN)
+  geom = mosaic_plan.geometry(199, NUM_ITEMS, 24, 3, 7, PLAN)
   assert geom.vocab_splits == 3 and geom.tiles_per_split > geom.stages == 2, geom
   assert geom.num_token_tiles > geom.table_stages, geom
 
@@ -157,12 +147,12 @@ def test_affine_variants_run_on_the_mosaic_kernels():
 def test_split_pieces_reach_float32_precision():
   x = jnp.asarray(np.random.default_rng(0).normal(size=4096) * 10.0 ** np.arange(-20, 20, 10 / 1024)[:4096],
                   jnp.float32)
-  pieces = mosaic_ops.split_pieces(x, 3)
+  pieces = gpu_pieces.split_pieces(x, 3)
   assert all(p.dtype == jnp.bfloat16 for p in pieces)
   total = sum(np.asarray(p, np.float64) for p in pieces)
   np.testing.assert_allclose(total, np.asarray(x, np.float64), rtol=2.0 ** -23, atol=0)
   # Two pieces are not enough: ~2^-16.
-  two = sum(np.asarray(p, np.float64) for p in mosaic_ops.split_pieces(x, 2))
+  two = sum(np.asarray(p, np.float64) for p in gpu_pieces.split_pieces(x, 2))
   assert np.max(np.abs(two - np.asarray(x, np.float64)) / np.abs(np.asarray(x))) > 2.0 ** -20
 
 
@@ -172,23 +162,23 @@ def test_planner_fits_shared_memory_and_registers_on_hopper():
   for dim in (24, 64, 128, 192, 256):
     for pieces in (1, 3):
       try:
-        geom = mosaic_plan.geometry(2048, 1_000_000, 1_000_000, dim, pieces, 9, spec=spec)
+        geom = mosaic_plan.geometry(2048, 1_000_000, dim, pieces, 19, spec=spec)
       except ValueError as error:
         # One warpgroup's registers hold a [64, D] f32 accumulator: up to D = 192 in
         # bfloat16, 128 in float32 (whose split of G keeps a third logit tile live).
         assert dim == 256 or (pieces == 3 and dim > 128), error
         assert "float32 values per thread" in str(error), error
         continue
-      assert mosaic_plan.sweep_shared_bytes(geom.block_v, geom.dim_padded, pieces, 9,
+      assert mosaic_plan.sweep_shared_bytes(geom.block_v, geom.dim_padded, pieces, 19,
                                             geom.stages) <= budget
-      assert mosaic_plan.table_shared_bytes(geom.dim_padded, pieces, 9,
+      assert mosaic_plan.table_shared_bytes(geom.dim_padded, pieces, 19,
                                             geom.table_stages) <= budget
       assert mosaic_plan.sweep_registers(geom.block_v, geom.dim_padded, pieces) <= (
           mosaic_plan.REGISTER_VALUES)
       assert geom.vocab_padded % geom.block_v == 0 and geom.tokens_padded % 64 == 0
       assert geom.vocab_splits * geom.num_token_tiles >= spec.core_count, geom
   # bf16 at D = 64: 128-row tiles, the deepest pipeline.
-  geom = mosaic_plan.geometry(2048, 1 << 20, 1 << 20, 64, 1, 0, spec=spec)
+  geom = mosaic_plan.geometry(2048, 1 << 20, 64, 1, spec=spec)
   assert (geom.block_v, geom.stages) == (128, mosaic_plan.MAX_STAGES)
 
 

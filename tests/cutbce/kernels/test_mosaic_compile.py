@@ -30,7 +30,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from cutbce.kernels.gpu import compiled as gpu_compiled  # noqa: E402
-from cutbce.kernels.gpu import mosaic_ops, ptx, targets  # noqa: E402
+from cutbce.kernels.gpu import pieces as gpu_pieces  # noqa: E402
+from cutbce.kernels.gpu import ptx, targets  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not targets.cuda_plugin_available(),
                                 reason="jax's CUDA plugin missing: make test-gpu")
@@ -76,7 +77,7 @@ def test_tensor_cores_one_logit_per_tile_two_mufu_per_logit(case):
   sweep, table = sweep[0], table[0]
   block_v = int(re.search(r"_bv(\d+)_", sweep.name).group(1))
   dim_padded = -(-dim // 64) * 64
-  products = len(mosaic_ops.PRODUCTS[3 if dtype == "float32" else 1])
+  products = len(gpu_pieces.PRODUCTS[3 if dtype == "float32" else 1])
   for report in (sweep, table):
     # Tensor cores only, on bfloat16 operands, float32 accumulation.
     assert report.wgmma and all(k.endswith(".f32.bf16.bf16") for k in report.wgmma), report
