@@ -48,15 +48,14 @@ and data iterator) that can be resumed from like any other.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
+import logging
 import math
 import os
-import re
 import sys
 import threading
-import time
+import warnings
 
 import grain
 import jax
@@ -191,75 +190,66 @@ def restore_params(directory: str | os.PathLike, step: int, abstract_params):
   return restored["params"]
 
 
-# What the late callbacks print, piece by piece (threads interleave even the pieces
-# the traceback module writes: "RuntimeError", ": ", "Event loop is closed").
-_NOISE = re.compile(
-    rb"Traceback \(most recent call last\):|"
-    rb'File "[^"]*asyncio/base_events\.py", line \d+, in (call_soon_threadsafe|_check_closed)|'
-    rb"self\._check_closed\(\)|raise RuntimeError\('Event loop is closed'\)|"
-    rb"RuntimeError|Event loop is closed|:")
-
-
-class _StderrFilter:
-  """fd 2 through a thread that drops the tracebacks of late TensorStore callbacks.
+class _QuietStderr:
+  """sys.stderr less the tracebacks of late TensorStore callbacks.
 
   A failed read of a damaged checkpoint leaves TensorStore reads pending;
   each calls back into orbax's event loop after orbax closed it, from a
   native thread, during the restore and at any later time (when its future
   is collected), and prints a "RuntimeError: Event loop is closed"
-  traceback: ~100 lines after the command's one line (issue 41). Every line
-  is passed on but those made only of pieces of that traceback (threads
-  interleave them, even within a line; blank lines go too). Set up for a
-  restore; kept for the rest of the process once one failed (the callbacks
-  come late), else taken down.
+  traceback through sys.stderr: ~100 lines after the command's one line
+  (issue 41). The threads interleave their writes, so each thread's text is
+  held apart: a traceback is kept until its last line and dropped when that
+  line is the closed loop's; anything else is passed on whole. The main
+  thread writes straight through. Set up for a restore; kept for the rest of
+  the process once one failed (the callbacks come late), else taken down.
   """
 
-  def __init__(self):
-    sys.stderr.flush()
-    self._target = os.dup(2)
-    read, write = os.pipe()
-    os.dup2(write, 2)
-    os.close(write)
-    self._read = read
-    self._thread = threading.Thread(target=self._pump, name="stderr-filter", daemon=True)
-    self._thread.start()
+  _HEADING = "Traceback (most recent call last):"
+  _CLOSED = "RuntimeError: Event loop is closed"
 
-  def _pump(self) -> None:
-    pending = b""
-    while True:
-      chunk = os.read(self._read, 65536)
-      if not chunk:
-        break
-      pending += chunk
-      *lines, pending = pending.split(b"\n")
-      for line in lines:  # a line of nothing but pieces of it (or blank) is dropped
-        if _NOISE.sub(b"", line).strip():
-          os.write(self._target, line + b"\n")
-    if pending and _NOISE.sub(b"", pending).strip():
-      os.write(self._target, pending)
+  def __init__(self, stream):
+    self._stream = stream
+    self._lock = threading.Lock()
+    self._text: dict[int, str] = {}  # thread -> its written text not yet a whole line
+    self._traceback: dict[int, list[str]] = {}  # thread -> the traceback it is writing
 
-  def close(self) -> None:
-    """Puts fd 2 back; what is held is passed on."""
-    sys.stderr.flush()
-    os.dup2(self._target, 2)  # the pipe's last writer goes: the pump reads its end
-    self._thread.join(timeout=2)
-    os.close(self._read)
-    os.close(self._target)
+  def write(self, text: str) -> int:
+    if threading.current_thread() is threading.main_thread():
+      return self._stream.write(text)
+    thread = threading.get_ident()
+    with self._lock:
+      *lines, self._text[thread] = (self._text.pop(thread, "") + text).split("\n")
+      for line in lines:
+        self._line(thread, line)
+    return len(text)
 
-  def drain(self, longest: float = 2.0) -> None:
-    """At exit: waits until the pump has passed on what was written (fd 2 stays
-    on the filter: callbacks still come while the interpreter shuts down)."""
-    import fcntl  # pylint: disable=import-outside-toplevel  (POSIX only)
-    import termios  # pylint: disable=import-outside-toplevel
-    sys.stderr.flush()
-    waiting = bytearray(4)
-    deadline = time.monotonic() + longest
-    while time.monotonic() < deadline:
-      fcntl.ioctl(self._read, termios.FIONREAD, waiting)
-      if int.from_bytes(waiting, sys.byteorder) == 0:
-        break
-      time.sleep(0.02)
-    time.sleep(0.05)  # the last line read, being written
+  def _line(self, thread: int, line: str) -> None:
+    held = self._traceback.get(thread)
+    if held is None and line != self._HEADING:
+      self._stream.write(line + "\n")
+    elif held is None or line.startswith((" ", "\t")):
+      self._traceback.setdefault(thread, []).append(line)
+    else:  # the exception's line ends the traceback
+      del self._traceback[thread]
+      if line != self._CLOSED:
+        self._stream.write("\n".join(held + [line]) + "\n")
+
+  def flush(self) -> None:
+    with self._lock:  # what other threads began and left unfinished, outside a traceback
+      for thread, text in list(self._text.items()):
+        if text and thread not in self._traceback and not self._HEADING.startswith(text):
+          self._stream.write(self._text.pop(thread))
+    self._stream.flush()
+
+  def __getattr__(self, name):  # encoding, fileno, isatty, ...: the stream's own
+    return getattr(self._stream, name)
+
+
+def _unretrieved_reads(record: logging.LogRecord) -> bool:
+  """Drops asyncio's "Future/Task exception was never retrieved" (with the read's
+  traceback) for the reads a failed restore abandoned; everything else passes."""
+  return "exception was never retrieved" not in str(record.msg).partition("\n")[0]
 
 
 @contextlib.contextmanager
@@ -267,20 +257,24 @@ def quiet_native_errors():
   """A failed block (a damaged checkpoint's restore) leaves no TensorStore noise on stderr.
 
   The failure itself is raised, and named in one line, by the caller
-  (`_StderrFilter` drops the late callbacks' tracebacks from then on).
+  (`_QuietStderr` drops the late callbacks' tracebacks from then on, filters
+  asyncio's reports of the reads and coroutines it abandoned).
   """
-  if getattr(quiet_native_errors, "kept", None) is not None:  # one failed already
-    yield
+  if isinstance(sys.stderr, _QuietStderr) and getattr(quiet_native_errors, "kept", False):
+    yield  # one failed already: the filter stays
     return
-  held = _StderrFilter()
+  stream = sys.stderr
+  sys.stderr = _QuietStderr(stream)
   try:
     yield
   except BaseException:
+    logging.getLogger("asyncio").addFilter(_unretrieved_reads)
+    warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+    quiet_native_errors.kept = True
     gc.collect()  # the failed reads call back as their futures are collected
-    quiet_native_errors.kept = held
-    atexit.register(held.drain)
     raise
-  held.close()
+  if isinstance(sys.stderr, _QuietStderr) and not getattr(quiet_native_errors, "kept", False):
+    sys.stderr = stream
 
 
 def restore(manager: ocp.CheckpointManager, step: int, abstract_state, iterator):
