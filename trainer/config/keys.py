@@ -39,7 +39,9 @@ __all__ = ["COMMAND_FLAGS", "COMMAND_FLAG_DEFAULTS", "COMMAND_RULES", "ConfigErr
            "KEYS", "RULES", "check", "check_overrides", "explain_flag_error", "markdown",
            "metric_names", "name", "prepared_folder"]
 
-_SYNTHETIC = ("data.dataset", ("synthetic",))
+_SYNTHETIC = ("data.dataset", ("synthetic", "synthetic_topics"))
+_SUCCESSORS = ("data.dataset", ("synthetic",))
+_TOPICS = ("data.dataset", ("synthetic_topics",))
 _MOVIELENS = ("data.dataset", ("ml-1m", "ml-100k"))
 _YAMBDA = ("data.dataset", ("yambda",))
 _FILES = ("data.dataset", ("files",))
@@ -116,12 +118,34 @@ KEYS: tuple[schema.Key, ...] = (
     key("data.source_options.num_items", INT, _INT32_IDS, "synthetic catalog size V",
         when=_SYNTHETIC, required=False),
     key("data.source_options.interactions_per_user", INT, at_least(1),
-        "mean synthetic sequence length", when=_SYNTHETIC, required=False),
+        "mean synthetic sequence length", when=_SUCCESSORS, required=False),
     key("data.source_options.zipf_exponent", FLOAT, above(0), "Zipf exponent of popularity",
         when=_SYNTHETIC, required=False),
     key("data.source_options.transition_prob", FLOAT, unit(),
         "probability that the next item is the planted successor", when=_SYNTHETIC,
         required=False),
+    key("data.source_options.num_topics", INT, _INT32_IDS, "synthetic_topics: K topics "
+        "(rank r in topic r mod K; at most num_items)", when=_TOPICS, required=False),
+    key("data.source_options.topics_per_user", INT, at_least(1), "synthetic_topics: interest "
+        "slots per user, topics drawn by topic popularity", when=_TOPICS, required=False),
+    key("data.source_options.topic_concentration", FLOAT, above(0), "synthetic_topics: "
+        "Dirichlet concentration of a user's slot weights", when=_TOPICS, required=False),
+    key("data.source_options.topic_stay_prob", FLOAT, unit(), "synthetic_topics: probability "
+        "that an event keeps the previous event's slot (else one drawn from the weights)",
+        when=_TOPICS, required=False),
+    key("data.source_options.length_log_mean", FLOAT, None, "synthetic_topics: mean of log "
+        "history length (ML-1M: 4.6047)", when=_TOPICS, required=False),
+    key("data.source_options.length_log_std", FLOAT, at_least(0), "synthetic_topics: std of "
+        "log history length (ML-1M: 0.9906)", when=_TOPICS, required=False),
+    key("data.source_options.min_length", INT, at_least(1), "synthetic_topics: shortest "
+        "history (ML-1M: 18)", when=_TOPICS, required=False),
+    key("data.source_options.max_length", INT, at_least(1), "synthetic_topics: longest "
+        "history (ML-1M: 2,277)", when=_TOPICS, required=False),
+    key("data.source_options.repeat_prob", FLOAT, unit(), "synthetic_topics: probability that "
+        "an event repeats one of the previous repeat_window items (ML-1M: 0)", when=_TOPICS,
+        required=False),
+    key("data.source_options.repeat_window", INT, at_least(1), "synthetic_topics: previous "
+        "items a repeat chooses from", when=_TOPICS, required=False),
     key("data.source_options.seed", INT, at_least(0), "seed of the synthetic data",
         when=_SYNTHETIC, required=False),
     key("data.source_options.mean_gap_seconds", INT, at_least(1),

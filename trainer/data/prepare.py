@@ -33,7 +33,8 @@ class _OneUnlessListed(dict):
 
 
 DEFAULT_MIN_ITEM_COUNT: Mapping[str, int] = _OneUnlessListed({
-    "ml-1m": 5, "ml-100k": 5, "yambda": 1, "synthetic": 0, "files": 1})
+    "ml-1m": 5, "ml-100k": 5, "yambda": 1, "synthetic": 0, "files": 1,
+    "synthetic_topics": 0})
 # Source options that say where raw data is cached, not what it is: recorded
 # in the manifest, never a reason to prepare again.
 CACHE_OPTIONS = frozenset({"cache_dir"})

@@ -17,6 +17,9 @@ Sources:
   ``files`` (:mod:`trainer.data.yambda`).
 * ``synthetic``: Zipf popularity with planted transitions
   (:mod:`trainer.data.synthetic`).
+* ``synthetic_topics``: latent topics with drifting user interest, popularity,
+  history lengths and repeats measured on ML-1M
+  (:mod:`trainer.data.synthetic_topics`).
 """
 
 from __future__ import annotations
@@ -198,6 +201,7 @@ _SOURCES: Mapping[str, str] = MappingProxyType({
     "yambda": "trainer.data.yambda:load_yambda",
     "synthetic": "trainer.data.synthetic:generate_synthetic",
     "files": "trainer.data.files:load_files",
+    "synthetic_topics": "trainer.data.synthetic_topics:generate_topics",
 })
 
 SOURCE_NAMES: tuple[str, ...] = tuple(_SOURCES)
