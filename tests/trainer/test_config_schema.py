@@ -95,6 +95,9 @@ def _delete(tree: dict, path: str) -> None:
 # How to make a config where a conditional key exists (its `when`).
 _SETUPS = {
     ("data.dataset", "synthetic"): lambda config, folder: None,
+    ("data.dataset", "synthetic_topics"): lambda config, folder: config["data"].update(
+        dataset="synthetic_topics", source_options={"num_users": 200, "num_items": 300,
+                                                    "num_topics": 10, "seed": 0}),
     ("data.dataset", "ml-1m"): lambda config, folder: config["data"].update(
         dataset="ml-1m", source_options={}),
     ("data.dataset", "yambda"): lambda config, folder: config["data"].update(
