@@ -104,7 +104,11 @@ def measure(cache_dir: str | None = None) -> dict:
           "zipf_exponent_ols_ranks_10_to_half": round(
               loglog_slope(counts, 10, sequences.num_items // 2), 4),
           "zipf_exponent_rank_mle": round(rank_mle_exponent(counts), 4),
-          "fit": "count ~ rank^-s; the generator's default is the OLS fit over all ranks",
+          "local_slopes": {f"{a}-{b}": round(loglog_slope(counts, a, b), 3) for a, b in (
+              (1, 10), (10, 100), (100, 1_000), (1_000, 2_000),
+              (2_000, sequences.num_items))},
+          "fit": ("count ~ rank^-s; the generator's default is the OLS fit over ranks 10 to "
+                  "V / 2 (the body: the head is flat, the tail cut at 5 ratings)"),
           "top_1_percent_share": round(float(
               np.sort(counts)[::-1][:max(1, sequences.num_items // 100)].sum() / counts.sum()), 4),
       },
