@@ -186,7 +186,8 @@ def write_report(config, workdir: str, out: str, *, wall_s: float | None, comman
     raise SystemExit(f"{workdir}/metrics.jsonl has no test evaluation: the run did not finish")
   test = evals["test"]
   report = {
-      "dataset": "ml-1m", "protocol": "leave-one-out, full catalog, seen items excluded",
+      "dataset": config.data.dataset,
+      "protocol": "leave-one-out, full catalog, seen items excluded",
       "hr@10": test["hit@10"], "ndcg@10": test["ndcg@10"], "mrr": test["mrr"],
       "step": step,
       "wall_s": None if wall_s is None else round(wall_s, 1),
@@ -203,7 +204,8 @@ def write_report(config, workdir: str, out: str, *, wall_s: float | None, comman
                   "platform": jax.default_backend(),
                   "processor": platform.processor() or platform.machine()},
       "popularity_baseline": popularity_baseline(_prepared_dir(config, workdir)),
-      "published": PUBLISHED,
+      # The published figures are ML-1M's; other data (e.g. synthetic_topics) has none.
+      "published": PUBLISHED if config.data.dataset == "ml-1m" else None,
   }
   path = pathlib.Path(out)
   path.parent.mkdir(parents=True, exist_ok=True)
@@ -273,7 +275,8 @@ def summarize(per_seed: list[dict]) -> dict:
   if any(config != configs[0] for config in configs[1:]):
     raise SystemExit("the reports differ in more than their seed: not seeds of one recipe")
   summary = {"seeds": [run["config"]["seed"] for run in per_seed],
-             "config": per_seed[0]["config"], "command": _command(), "published": PUBLISHED,
+             "config": per_seed[0]["config"], "command": _command(),
+             "published": per_seed[0].get("published"),
              "popularity_baseline": per_seed[0]["popularity_baseline"],
              "machine": per_seed[0].get("machine")}
   for name in SUMMARY_METRICS:
