@@ -5,9 +5,13 @@ Honours the backend contract written in `cutbce/kernels/xla.py` on flattened
 (`mosaic_kernels.py`), each computing every logit tile once, on the tensor
 cores, the tile living only in registers:
 
-  sweep   grid (token tiles, vocab splits). A CTA holds a `[64, Dp]` hidden
-          tile in shared memory and streams its split's `[block_v, Dp]`
-          table tiles (and bias) through a TMA pipeline of `stages` buffers.
+  sweep   grid (token blocks, vocab splits). Warp-specialized where it
+          fits (all but float32 at D = 128): a producer warpgroup streams
+          the split's `[block_v, Dp]` table tiles (and bias) through a TMA
+          pipeline of `stages` buffers, and two consumer warpgroups, each
+          with its own `[64, Dp]` hidden tile in shared memory (128 tokens
+          per CTA), read every buffer; elsewhere one warpgroup holds one
+          hidden tile and issues its own copies.
           Per tile X = H E^T (wgmma), then BCE: from one e = exp(-|x|) and
           one r = 1 / (1 + e), softplus sums, counts of x > 0 and
           G = g sigmoid(x); softmax: a running (max, sum of exp) and counts
@@ -25,7 +29,8 @@ float32 inputs stay exact on the tensor cores: every operand is split into
 three bfloat16 pieces (`pieces.py`) and each dot is the six piece products
 that reach float32 precision (never TF32, never FMA loops); bfloat16 inputs
 are one piece, one product. Shapes that do not divide the tiles are padded
-here (`mosaic_plan`): T to 64 (g = 0 there), D to 64 (zero columns), the
+here (`mosaic_plan`): T to 64 per consumer, 128 warp-specialized
+(g = 0 there), D to 64 (zero columns), the
 catalog to the tile (zero rows, masked columns past `num_items`). The
 kernels are compiled by Mosaic GPU on a GPU or for a named target and run
 in Pallas' Mosaic GPU interpreter anywhere else, chosen when traced

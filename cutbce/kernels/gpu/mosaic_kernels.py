@@ -13,11 +13,16 @@ outputs) and `Side` (which per-token operands it has):
            (f32), the columns whose gradient is set exactly; exclude
            (int32), ids out of a softmax.
 
-  sweep   grid (token tiles, vocab splits); the token side resident in
+  sweep   grid (token blocks, vocab splits); the token side resident in
           shared memory, `block_v`-row table tiles (and bias) streamed
           through `stages` TMA buffers. BCE: loss sums, counts, dh.
           Softmax: running (max, sum of exp) and counts (forward) or dh
           (backward). Per split outputs, combined by the caller.
+          Warp-specialized (`_sweep_ws_body`, `geom.consumers` = 2): a
+          producer warpgroup issues the table copies, two consumer
+          warpgroups (64 tokens each) read every slot and release it on a
+          "consumed" barrier; else (`_sweep_body`) one warpgroup per CTA
+          issues its own copies and refills a slot after its dots.
   table   grid (vocab tiles of 64 rows); the table tile resident, the token
           side streamed: dE += G^T H and db += sum_t G.
 
@@ -38,7 +43,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from cutbce.kernels.gpu import mosaic_ops as ops
 from cutbce.kernels.gpu import pieces
-from cutbce.kernels.gpu.mosaic_plan import BLOCK_T, TABLE_BLOCK_V, Geometry
+from cutbce.kernels.gpu.mosaic_plan import (BLOCK_T, CONSUMER_REGISTERS, PRODUCER_REGISTERS,
+                                            TABLE_BLOCK_V, Geometry)
 
 VECTOR_FIELDS = ("scale", "log_z", "offset", "limit")
 LIST_FIELDS = ("fixed_ids", "fixed_values", "exclude")
@@ -46,6 +52,14 @@ _INT_FIELDS = ("limit", "fixed_ids", "exclude")
 # The softmax's running max starts here: finite, so a tile of masked (-inf)
 # logits gives exp(-inf - floor) = 0, never a NaN.
 SOFTMAX_FLOOR = float(jnp.finfo(jnp.float32).min)
+WARPGROUPS = "warpgroups"  # the thread axis of a warp-specialized kernel
+# A warp-specialized consumer holds its tokens' list rows (fixed ids and
+# values, excluded ids: two registers a thread each) across its loop up to
+# this many, else reads them at every tile. Compiled for sm_90a: bf16 at
+# D = 128 with 8 fixed columns (16 rows) spills 1,392 B held, 272-304 B read
+# per tile; f32 at D = 50 with 7 fixed columns (4 targets, 3 excluded: 14
+# rows) 728 B held, 1,128-1,224 B per tile (ptxas' choices, not a model).
+MAX_HELD_LIST_ROWS = 14
 _TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
@@ -208,8 +222,14 @@ def _load_side(smem: dict, side: Side, interpret: bool, slot=None) -> dict:
 
 
 def _sweep_kernel(*refs, geom: Geometry, flags: Flags, side: Side, interpret: bool):
-  pl.run_scoped(functools.partial(_sweep_body, refs, geom=geom, flags=flags, side=side,
-                                  interpret=interpret), *_sweep_scratch(geom, flags, side))
+  if geom.consumers == 1:
+    pl.run_scoped(functools.partial(_sweep_body, refs, geom=geom, flags=flags, side=side,
+                                    interpret=interpret), *_sweep_scratch(geom, flags, side))
+    return
+  # Warp-specialized: the scratch is the CTA's, shared by its warpgroups.
+  pl.run_scoped(functools.partial(_sweep_ws_body, refs, geom=geom, flags=flags, side=side,
+                                  interpret=interpret), *_sweep_scratch(geom, flags, side),
+                collective_axes=WARPGROUPS)
 
 
 def _sweep_outputs(flags: Flags) -> tuple:
@@ -220,21 +240,95 @@ def _sweep_outputs(flags: Flags) -> tuple:
           + (("counts",) if flags.with_counts else ()))
 
 
-def _sweep_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
-  num_pieces, block_v, stages = geom.pieces, geom.block_v, geom.stages
+def _sweep_refs(refs, geom: Geometry, flags: Flags, side: Side):
+  """(hidden pieces, table pieces, bias or None, {side name: ref}, {output name: ref})."""
   refs = list(refs)
-  hidden_refs = [refs.pop(0) for _ in range(num_pieces)]  # [Tp, Dp] bf16 each
-  table_refs = [refs.pop(0) for _ in range(num_pieces)]  # [Vp, Dp] bf16 each
+  hidden_refs = [refs.pop(0) for _ in range(geom.pieces)]  # [Tp, Dp] bf16 each
+  table_refs = [refs.pop(0) for _ in range(geom.pieces)]  # [Vp, Dp] bf16 each
   bias_ref = refs.pop(0) if flags.has_bias else None  # [Vp] f32
   side_refs = {name: refs.pop(0) for name in side.names}  # [Tp] or [n, Tp]
   out_refs = {name: refs.pop(0) for name in _sweep_outputs(flags)}  # [splits, Tp(, Dp)] f32
-  (hidden_smem, table_smem, bias_smem, side_smem, grad_smem, dh_smem, sums_smem,
-   resident_barrier, stream_barriers) = scratch
+  return hidden_refs, table_refs, bias_ref, side_refs, out_refs
 
-  token_start = lax.axis_index("tokens") * BLOCK_T
+
+def _sweep_init(geom: Geometry, flags: Flags, interpret: bool):
+  """The loop carry: (max, sum, counts) for the softmax forward, else (loss, counts, dh)."""
+  rows_zero = ops.zeros((BLOCK_T,), ops.ROWS, interpret)
+  if flags.kind == "softmax" and flags.with_loss:
+    return (rows_zero + SOFTMAX_FLOOR, rows_zero, rows_zero)
+  return (rows_zero, rows_zero,
+          ops.zeros((BLOCK_T, geom.dim_padded), ops.WGMMA, interpret) if flags.with_grad
+          else rows_zero)
+
+
+def _sweep_logits(hidden_tile, table_tile, bias_slot_ref, tile_start, geom: Geometry,
+                  interpret: bool):
+  """(logits `[64, block_v]` f32, their columns' item ids) of one table tile."""
+  logits = ops.dot_nt(hidden_tile, table_tile, pieces.PRODUCTS[geom.pieces], interpret)
+  if bias_slot_ref is not None:
+    logits = logits + _columns(ops.load_vector(bias_slot_ref, ops.COLUMNS, interpret),
+                               logits.shape)
+  columns = tile_start + ops.iota((BLOCK_T, geom.block_v), 1, interpret)
+  return logits, columns
+
+
+def _sweep_update(carry, logits, columns, table_tile, grad_smem, geom: Geometry, flags: Flags,
+                  values: dict, interpret: bool):
+  """The carry after one tile: softmax (max, sum, counts), or BCE / softmax-backward (loss,
+  counts, dh), dh += G E read from `table_tile` (G staged in `grad_smem`)."""
+  if flags.kind == "softmax" and flags.with_loss:
+    return _softmax_step(carry, logits, columns, geom, values, flags.with_counts)
+  loss, counts, dh = carry
+  tile_loss, tile_counts, grad = (
+      bce_tile(logits, columns, geom, values, with_loss=flags.with_loss,
+               with_counts=flags.with_counts, with_grad=flags.with_grad)
+      if flags.kind == "bce" else (None, None, softmax_grad_tile(logits, columns, geom,
+                                                                 values)))
+  if flags.with_loss:
+    loss = loss + tile_loss
+  if flags.with_counts:
+    counts = counts + tile_counts
+  if flags.with_grad:
+    _store_pieces(grad, grad_smem)
+    dh = ops.dot_acc(dh, grad_smem, table_tile, pieces.PRODUCTS[geom.pieces],
+                     interpret)  # [64, Dp] f32
+  return loss, counts, dh
+
+
+def _sweep_store(carry, out_refs, dh_smem, sums_smem, split, tokens, flags: Flags):
+  """The carry to this token tile's rows of the split's outputs (through shared memory)."""
+  results = dict(zip(("max", "sum", "counts"), carry) if flags.kind == "softmax" and flags.with_loss
+                 else zip(("loss", "counts", "dh"), carry))
+  staged = []
+  for index, name in enumerate(_sweep_outputs(flags)):
+    if name == "dh":
+      dh_smem[...] = results["dh"]
+      staged.append((dh_smem, out_refs["dh"].at[split, tokens]))
+    else:
+      sums_smem.at[index][...] = results[name]
+      staged.append((sums_smem.at[index], out_refs[name].at[split, tokens]))
+  plgpu.commit_smem()
+  for src, dst in staged:
+    plgpu.copy_smem_to_gmem(src, dst)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _split_tiles(geom: Geometry):
+  """(split, its first vocab tile, its number of tiles) of this CTA."""
   split = lax.axis_index("splits")
   first = split * geom.tiles_per_split
-  num_tiles = jnp.minimum(first + geom.tiles_per_split, geom.num_vocab_tiles) - first
+  return split, first, jnp.minimum(first + geom.tiles_per_split, geom.num_vocab_tiles) - first
+
+
+def _sweep_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
+  """One warpgroup per CTA (`geom.consumers == 1`): it issues its own copies."""
+  block_v, stages = geom.block_v, geom.stages
+  hidden_refs, table_refs, bias_ref, side_refs, out_refs = _sweep_refs(refs, geom, flags, side)
+  (hidden_smem, table_smem, bias_smem, side_smem, grad_smem, dh_smem, sums_smem,
+   resident_barrier, stream_barriers, _) = scratch
+
+  token_start = lax.axis_index("tokens") * BLOCK_T
+  split, first, num_tiles = _split_tiles(geom)
   tokens = pl.ds(token_start, BLOCK_T)
 
   resident = [(ref.at[tokens], smem) for ref, smem in zip(hidden_refs, hidden_smem)]
@@ -254,8 +348,6 @@ def _sweep_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
     pl.when(slot < num_tiles)(functools.partial(issue, slot, slot))
   for index in range(len(resident)):
     plgpu.barrier_wait(resident_barrier.at[index])
-  products = pieces.PRODUCTS[num_pieces]
-  softmax_forward = flags.kind == "softmax" and flags.with_loss
   values = _load_side(side_smem, side, interpret)  # resident: read once
 
   def step(tile, carry):
@@ -263,55 +355,110 @@ def _sweep_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
     for barrier in stream_barriers:
       plgpu.barrier_wait(barrier.at[slot])
     table_tile = [smem.at[slot] for smem in table_smem]
-    logits = ops.dot_nt(hidden_smem, table_tile, products, interpret)  # [64, block_v] f32
-    if flags.has_bias:
-      logits = logits + _columns(ops.load_vector(bias_smem.at[slot], ops.COLUMNS, interpret),
-                                 logits.shape)
-    columns = (first + tile) * block_v + ops.iota((BLOCK_T, block_v), 1, interpret)
-    if softmax_forward:
-      carry = _softmax_step(carry, logits, columns, geom, values, flags.with_counts)
-    else:
-      loss, counts, dh = carry
-      tile_loss, tile_counts, grad = (
-          bce_tile(logits, columns, geom, values, with_loss=flags.with_loss,
-                   with_counts=flags.with_counts, with_grad=flags.with_grad)
-          if flags.kind == "bce" else (None, None, softmax_grad_tile(logits, columns, geom,
-                                                                     values)))
-      if flags.with_loss:
-        loss = loss + tile_loss
-      if flags.with_counts:
-        counts = counts + tile_counts
-      if flags.with_grad:
-        _store_pieces(grad, grad_smem)
-        dh = ops.dot_acc(dh, grad_smem, table_tile, products, interpret)  # [64, Dp] f32
-      carry = loss, counts, dh
+    logits, columns = _sweep_logits(hidden_smem, table_tile,
+                                    bias_smem.at[slot] if flags.has_bias else None,
+                                    (first + tile) * block_v, geom, interpret)
+    carry = _sweep_update(carry, logits, columns, table_tile, grad_smem, geom, flags, values,
+                          interpret)
     # Every read of the slot is done (the dots waited): refill it.
     refill = tile + stages
     pl.when(refill < num_tiles)(lambda: issue(refill, slot))
     return carry
 
-  rows_zero = ops.zeros((BLOCK_T,), ops.ROWS, interpret)
-  if softmax_forward:
-    init = (rows_zero + SOFTMAX_FLOOR, rows_zero, rows_zero)
-  else:
-    init = (rows_zero, rows_zero,
-            ops.zeros((BLOCK_T, geom.dim_padded), ops.WGMMA, interpret) if flags.with_grad
-            else rows_zero)
-  carry = lax.fori_loop(0, num_tiles, step, init)
-  results = dict(zip(("max", "sum", "counts"), carry) if softmax_forward
-                 else zip(("loss", "counts", "dh"), carry))
-  staged = []
-  for index, name in enumerate(_sweep_outputs(flags)):
-    if name == "dh":
-      dh_smem[...] = results["dh"]
-      staged.append((dh_smem, out_refs["dh"].at[split, tokens]))
-    else:
-      sums_smem.at[index][...] = results[name]
-      staged.append((sums_smem.at[index], out_refs[name].at[split, tokens]))
-  plgpu.commit_smem()
-  for src, dst in staged:
-    plgpu.copy_smem_to_gmem(src, dst)
-  plgpu.wait_smem_to_gmem(0)
+  carry = lax.fori_loop(0, num_tiles, step, _sweep_init(geom, flags, interpret))
+  _sweep_store(carry, out_refs, dh_smem, sums_smem, split, tokens, flags)
+
+
+def _sweep_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
+  """Warp-specialized (`geom.consumers` consumer warpgroups and one producer).
+
+  The producer (the last warpgroup) streams the split's table tiles into the
+  `stages` slots, refilling a slot once every consumer has arrived on its
+  "consumed" barrier. Consumer `c` owns token rows [64 c, 64 c + 64) of the
+  CTA's block: its hidden tile and per-token operands (copied by itself), its
+  G pieces, its output staging; it waits on a slot's copies, reads it (the
+  logit dot, the bias, and with a gradient the dh dot) and arrives on the
+  slot's consumed barrier as soon as those reads are done, before the
+  elementwise work of a forward tile. Both consumers run the same code
+  (`c` is a value, not a branch), so the compiled PTX holds one tile's dots.
+  """
+  block_v, stages, consumers = geom.block_v, geom.stages, geom.consumers
+  hidden_refs, table_refs, bias_ref, side_refs, out_refs = _sweep_refs(refs, geom, flags, side)
+  (hidden_smem, table_smem, bias_smem, side_smem, grad_smem, dh_smem, sums_smem,
+   resident_barrier, stream_barriers, consumed_barrier) = scratch
+  warpgroup = lax.axis_index(WARPGROUPS)
+  split, first, num_tiles = _split_tiles(geom)
+
+  @pl.when(warpgroup < consumers)
+  def _consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    tokens = pl.ds((lax.axis_index("tokens") * consumers + warpgroup) * BLOCK_T, BLOCK_T)
+    hidden_tile = [smem.at[warpgroup] for smem in hidden_smem]
+    own_side = {name: smem.at[warpgroup] for name, smem in side_smem.items()}
+    resident = [(ref.at[tokens], smem) for ref, smem in zip(hidden_refs, hidden_tile)]
+    resident += [(_side_source(side_refs[name], name, side, tokens), own_side[name])
+                 for name in side.names]
+    base = warpgroup * len(resident)
+    for index, (src, dst) in enumerate(resident):
+      plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[base + index])
+    for index in range(len(resident)):
+      plgpu.barrier_wait(resident_barrier.at[base + index])
+    own_grad = [smem.at[warpgroup] for smem in grad_smem] if flags.with_grad else None
+    # The per-token operands are read once and held, unless the lists are long: then
+    # those are read from shared memory at every tile (`MAX_HELD_LIST_ROWS`).
+    lists_held = sum(rows for _, rows in side.lists) <= MAX_HELD_LIST_ROWS
+    held = _load_side(own_side, side if lists_held else Side(side.vectors, ()), interpret)
+
+    def step(tile, carry):
+      slot = lax.rem(tile, stages)
+      for barrier in stream_barriers:
+        plgpu.barrier_wait(barrier.at[slot])
+      table_tile = [smem.at[slot] for smem in table_smem]
+      logits, columns = _sweep_logits(hidden_tile, table_tile,
+                                      bias_smem.at[slot] if flags.has_bias else None,
+                                      (first + tile) * block_v, geom, interpret)
+      values = held if lists_held else {
+          **held, **_load_side(own_side, Side((), side.lists), interpret)}
+      if not flags.with_grad:  # the slot's last read was the logit dot's (it waited)
+        plgpu.barrier_arrive(consumed_barrier.at[slot])
+      carry = _sweep_update(carry, logits, columns, table_tile, own_grad, geom, flags, values,
+                            interpret)
+      if flags.with_grad:  # ... or the dh dot's (it waited too)
+        plgpu.barrier_arrive(consumed_barrier.at[slot])
+      return carry
+
+    carry = lax.fori_loop(0, num_tiles, step, _sweep_init(geom, flags, interpret))
+    _sweep_store(carry, out_refs, dh_smem.at[warpgroup] if flags.with_grad else None,
+                 sums_smem.at[warpgroup], split, tokens, flags)
+
+  @pl.when(warpgroup == consumers)
+  def _producer():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+    def issue(tile, _):
+      slot = lax.rem(tile, stages)
+
+      @pl.when(tile >= stages)  # the slot's previous tile read by every consumer
+      def _():
+        plgpu.barrier_wait(consumed_barrier.at[slot])
+
+      rows = pl.ds((first + tile) * block_v, block_v)
+      for ref, smem, barrier in zip(table_refs, table_smem, stream_barriers):
+        plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], barrier.at[slot])
+      if flags.has_bias:
+        plgpu.copy_gmem_to_smem(bias_ref.at[rows], bias_smem.at[slot],
+                                stream_barriers[-1].at[slot])
+      return ()
+
+    lax.fori_loop(0, num_tiles, issue, ())
+
+    # Observe the last tiles' consumption too: every phase of a barrier is
+    # waited by the warpgroup that waits on it (the interpreter checks it).
+    def drain(tile, _):
+      plgpu.barrier_wait(consumed_barrier.at[lax.rem(tile, stages)])
+      return ()
+
+    lax.fori_loop(jnp.maximum(num_tiles - stages, 0), num_tiles, drain, ())
 
 
 def _softmax_step(carry, logits, columns, geom, side, with_counts):
@@ -329,17 +476,23 @@ def _softmax_step(carry, logits, columns, geom, side, with_counts):
 
 def _sweep_scratch(geom: Geometry, flags: Flags, side: Side):
   num_pieces, stages, dim, block_v = geom.pieces, geom.stages, geom.dim_padded, geom.block_v
+  # One per consumer warpgroup when warp-specialized: [consumers, ...].
+  own = () if geom.consumers == 1 else (geom.consumers,)
+  resident_copies = num_pieces + len(side.names)
   return (
-      [_smem((BLOCK_T, dim), tiled=True) for _ in range(num_pieces)],  # hidden pieces
+      [_smem((*own, BLOCK_T, dim), tiled=True) for _ in range(num_pieces)],  # hidden pieces
       [_smem((stages, block_v, dim), tiled=True) for _ in range(num_pieces)],  # table pieces
       _smem((stages, block_v), jnp.float32) if flags.has_bias else None,
-      _side_smem(side),
-      [_smem((BLOCK_T, block_v), tiled=True) for _ in range(num_pieces)] if flags.with_grad
-      else None,  # G pieces
-      _smem((BLOCK_T, dim), jnp.float32) if flags.with_grad else None,  # dh staging
-      _smem((3, BLOCK_T), jnp.float32),  # row sums staging
-      plgpu.Barrier(num_barriers=num_pieces + len(side.names)),
+      _side_smem(side, own),
+      [_smem((*own, BLOCK_T, block_v), tiled=True) for _ in range(num_pieces)]
+      if flags.with_grad else None,  # G pieces
+      _smem((*own, BLOCK_T, dim), jnp.float32) if flags.with_grad else None,  # dh staging
+      _smem((*own, 3, BLOCK_T), jnp.float32),  # row sums staging
+      plgpu.Barrier(num_barriers=resident_copies * geom.consumers),
       [plgpu.Barrier(num_barriers=stages) for _ in range(num_pieces + flags.has_bias)],
+      # A slot is consumed once every consumer has read it (warp-specialized only).
+      plgpu.Barrier(num_arrivals=geom.consumers, num_barriers=stages)
+      if geom.consumers > 1 else None,
   )
 
 
@@ -358,8 +511,11 @@ def sweep(hidden, table, bias, side_arrays: dict, *, geom: Geometry, flags: Flag
   kernel.__name__ = (f"cutbce_mosaic_{'softmax_' if flags.kind == 'softmax' else ''}sweep_"
                      f"{'loss_' if flags.with_loss else ''}{'dh_' if flags.with_grad else ''}"
                      f"bv{geom.block_v}_s{geom.stages}")
-  outputs = plgpu.kernel(kernel, out_type=out_type, grid=(geom.num_token_tiles, splits),
-                         grid_names=("tokens", "splits"), interpret=params)(*inputs)
+  kernel.__name__ += "_ws" if geom.consumers > 1 else ""
+  threads = ({} if geom.consumers == 1
+             else dict(num_threads=geom.consumers + 1, thread_name=WARPGROUPS))
+  outputs = plgpu.kernel(kernel, out_type=out_type, grid=(geom.num_token_blocks, splits),
+                         grid_names=("tokens", "splits"), interpret=params, **threads)(*inputs)
   return dict(zip(names, outputs))
 
 

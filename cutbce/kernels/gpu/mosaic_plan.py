@@ -1,30 +1,39 @@
 """Tiles and pipeline depth of the Mosaic GPU kernels, from the device's description.
 
 The GPU twin of the TPU planner (`cutbce/kernels/tiling.py`), chosen when the
-program is traced. One warpgroup (128 threads) per CTA computes each logit
-tile once, on the tensor cores (wgmma, M = 64 rows per warpgroup):
+program is traced. Each logit tile is computed once, on the tensor cores
+(wgmma, M = 64 rows per consumer warpgroup of 128 threads):
 
-  sweep    (loss sums, counts and dh)  a resident `[64, Dp]` hidden tile,
-           `block_v`-row table tiles streamed by TMA through `stages` shared
-           memory buffers; the vocabulary of each token tile is cut into
-           `vocab_splits` parts so that every SM has work at small T.
+  sweep    (loss sums, counts and dh)  warp-specialized where it fits
+           (`consumers` = 2): one producer warpgroup streams `block_v`-row
+           table tiles by TMA through `stages` shared memory buffers, and
+           two consumer warpgroups, each with its own resident `[64, Dp]`
+           hidden tile (a CTA covers 128 tokens), read every buffer, so the
+           table is streamed once per 128 tokens and one consumer's
+           elementwise work overlaps the other's wgmma. Where the two
+           consumers' buffers do not fit (float32 at D = 128), one
+           warpgroup per CTA that issues its own copies (`consumers` = 1).
+           The vocabulary of each token block is cut into `vocab_splits`
+           parts so that every SM has work at small T.
   table    (dE and db)  a resident `[64, Dp]` table tile, `[64, Dp]` hidden
            tiles streamed the same way; no splits (V / 64 CTAs).
 
 Budgets, per CTA:
 
-- registers: the float32 values one thread keeps live, two `[64, block_v]`
+- registers: the float32 values one consumer thread keeps live, two `[64, block_v]`
   logit tiles (the logits and their gradient; three while float32's
   gradient is split into pieces) and the `[64, Dp]` dh
   accumulator, over 128 threads, within `REGISTER_VALUES` of the 255
   registers a thread may hold (ptxas' report is the check: 0 spills, in
   tests/cutbce/kernels/test_mosaic_compile.py);
-- shared memory: the resident tiles, the gradient tile's pieces (the second
-  dot's operand), the output staging, and `stages` buffers of every streamed
-  operand, within `SHARED_MEMORY_FRACTION` of the opt-in shared memory.
+- shared memory: per consumer the resident tiles, the gradient tile's pieces
+  (the second dot's operand) and the output staging; `stages` buffers of
+  every streamed operand and their barriers, within
+  `SHARED_MEMORY_FRACTION` of the opt-in shared memory.
 
 Shapes that do not divide the tiles are padded by the caller (`mosaic.py`):
-T to a multiple of 64, D to a multiple of `DIM_ALIGN` (a 128-byte swizzled
+T to a multiple of 64 per consumer (128 when warp-specialized: an odd
+number of 64-row tiles gets a zero tile, g = 0), D to a multiple of `DIM_ALIGN` (a 128-byte swizzled
 row of bfloat16; TMA needs 16-byte row strides), V to a multiple of the
 sweep's `block_v`, so every TMA copy is in bounds and no lane reads garbage.
 """
@@ -44,11 +53,22 @@ MAX_DIM = 256  # the dh accumulator's width in registers (the register budget bi
 VOCAB_BLOCKS = (256, 128, 64)  # sweep tile candidates, most preferred first
 MIN_STAGES, MAX_STAGES = 2, 4  # TMA pipeline depth
 THREADS = 128  # one warpgroup
+# The warp-specialized sweep: consumer warpgroups per CTA (each its own 64
+# token rows) and one producer warpgroup. A CTA of three warpgroups starts
+# with 65,536 / 384 = 168 registers per thread; `setmaxnreg` moves them
+# from the producer (TMA issue only) to the consumers: 2 x 232 + 40 = 3 x 168.
+CONSUMERS = 2
+CONSUMER_REGISTERS = 232
+PRODUCER_REGISTERS = 40
 REGISTER_VALUES = 160  # float32 values per thread (of 255 registers; ptxas spills past it)
 SHARED_MEMORY_FRACTION = 0.95  # of shared_memory_per_block_optin
-CTAS_PER_CORE = 2  # the sweep's vocab splits aim for this many CTAs per SM
+# The sweep's vocab splits aim for this many consumer warpgroups per SM (two
+# CTAs of one, or one warp-specialized CTA of two: its 3 x 168 registers per
+# thread leave no room for a second CTA).
+CONSUMERS_PER_CORE = 2
 MAX_VOCAB_SPLITS = 64
 PIECE_BYTES = 2  # every operand piece is bfloat16
+BARRIER_BYTES = 8  # one mbarrier
 
 
 class Geometry(NamedTuple):
@@ -62,6 +82,7 @@ class Geometry(NamedTuple):
   dim_padded: int  # D rounded up to DIM_ALIGN
   block_v: int  # the sweep's table tile
   stages: int  # the sweep's TMA buffers
+  consumers: int  # the sweep's consumer warpgroups per CTA (2: warp-specialized, 1: not)
   table_stages: int  # the dE kernel's TMA buffers
   vocab_splits: int
   tiles_per_split: int
@@ -70,6 +91,11 @@ class Geometry(NamedTuple):
   @property
   def num_token_tiles(self) -> int:
     return self.tokens_padded // BLOCK_T
+
+  @property
+  def num_token_blocks(self) -> int:
+    """The sweep's CTAs along the tokens: `consumers` 64-row tiles each."""
+    return self.tokens_padded // (BLOCK_T * self.consumers)
 
   @property
   def num_vocab_tiles(self) -> int:
@@ -88,14 +114,18 @@ def sweep_registers(block_v: int, dim_padded: int, pieces: int) -> float:
 
 
 def sweep_shared_bytes(block_v: int, dim_padded: int, pieces: int, token_rows: int,
-                       stages: int) -> int:
+                       stages: int, consumers: int = 1) -> int:
   """Shared memory of one sweep CTA (bytes); `token_rows` 4-byte values per token."""
+  # Per consumer warpgroup (its own 64 tokens):
   resident = pieces * BLOCK_T * dim_padded * PIECE_BYTES  # hidden tile pieces
   resident += pieces * BLOCK_T * block_v * PIECE_BYTES  # gradient tile pieces (dot operand)
   resident += BLOCK_T * dim_padded * 4 + 3 * BLOCK_T * 4  # dh, sums, counts staging (f32)
   resident += token_rows * BLOCK_T * 4  # g, fixed ids and values, ...
+  resident += (pieces + token_rows) * BARRIER_BYTES  # its resident copies' barriers
+  # Per stage, read by every consumer:
   streamed = pieces * block_v * dim_padded * PIECE_BYTES + block_v * 4  # table pieces, bias
-  return resident + stages * streamed
+  streamed += (pieces + 1 + (consumers > 1)) * BARRIER_BYTES  # copies', "consumed" barriers
+  return consumers * resident + stages * streamed
 
 
 def table_shared_bytes(dim_padded: int, pieces: int, token_rows: int, stages: int) -> int:
@@ -147,14 +177,18 @@ def geometry(num_tokens: int, num_items: int, dim: int, pieces: int, token_rows:
   dim_padded = round_up(dim, DIM_ALIGN)
   budget = SHARED_MEMORY_FRACTION * spec.shared_memory_per_block_optin
   candidates = (plan.block_v,) if plan is not None else VOCAB_BLOCKS
-  block_v = stages = None
-  for candidate in candidates:
-    if sweep_registers(candidate, dim_padded, pieces) > REGISTER_VALUES:
-      continue
-    stages = _stages(lambda s, v=candidate: sweep_shared_bytes(
-        v, dim_padded, pieces, token_rows, s) <= budget)
-    if stages is not None:
-      block_v = candidate
+  block_v = stages = consumers = None
+  # Warp-specialized first, at any tile; one warpgroup where two do not fit.
+  for consumers in sorted({CONSUMERS, 1}, reverse=True):
+    for candidate in candidates:
+      if sweep_registers(candidate, dim_padded, pieces) > REGISTER_VALUES:
+        continue
+      stages = _stages(lambda s, v=candidate, c=consumers: sweep_shared_bytes(
+          v, dim_padded, pieces, token_rows, s, c) <= budget)
+      if stages is not None:
+        block_v = candidate
+        break
+    if block_v is not None:
       break
   table_stages = _stages(lambda s: table_shared_bytes(dim_padded, pieces, token_rows, s) <= budget)
   smallest = VOCAB_BLOCKS[-1] if plan is None else plan.block_v
@@ -172,16 +206,17 @@ def geometry(num_tokens: int, num_items: int, dim: int, pieces: int, token_rows:
   # Never a tile much wider than the catalog.
   while block_v > VOCAB_BLOCKS[-1] and block_v // 2 >= num_items:
     block_v //= 2
-  tokens_padded = round_up(max(num_tokens, 1), BLOCK_T)
+  tokens_padded = round_up(max(num_tokens, 1), BLOCK_T * consumers)
   vocab_padded = round_up(max(num_items, 1), block_v)
-  num_token_tiles = tokens_padded // BLOCK_T
+  num_token_blocks = tokens_padded // (BLOCK_T * consumers)
   num_vocab_tiles = vocab_padded // block_v
-  wanted = -(-CTAS_PER_CORE * spec.core_count // num_token_tiles)
+  wanted = -(-CONSUMERS_PER_CORE * spec.core_count // (consumers * num_token_blocks))
   splits = max(1, min(MAX_VOCAB_SPLITS, wanted, num_vocab_tiles))
   tiles_per_split = -(-num_vocab_tiles // splits)
   splits = -(-num_vocab_tiles // tiles_per_split)  # no empty split
   return Geometry(
       num_tokens=num_tokens, num_items=num_items, dim=dim, tokens_padded=tokens_padded,
       vocab_padded=vocab_padded, dim_padded=dim_padded, block_v=block_v, stages=stages,
-      table_stages=table_stages, vocab_splits=splits, tiles_per_split=tiles_per_split,
+      consumers=consumers, table_stages=table_stages, vocab_splits=splits,
+      tiles_per_split=tiles_per_split,
       pieces=pieces)

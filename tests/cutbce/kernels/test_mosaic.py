@@ -74,8 +74,12 @@ def test_bfloat16_matches_dense_bfloat16():
   np.testing.assert_allclose(np.array(stats), np.array(dense_stats), rtol=5e-3, atol=2)
 
 
-def test_planned_tiles_small_catalog_and_no_bias():
-  """The planner's own tiles (bf16 D = 24: 128-row sweep tiles), V smaller than one tile."""
+@pytest.mark.parametrize("consumers", [2, 1], ids=["warp-specialized", "one-warpgroup"])
+def test_planned_tiles_small_catalog_and_no_bias(monkeypatch, consumers):
+  """The planner's own tiles (bf16 D = 24: 128-row sweep tiles), V smaller than one tile;
+  also on the one-warpgroup sweep the planner falls back to where two consumers do not fit."""
+  monkeypatch.setattr(mosaic_plan, "CONSUMERS", consumers)
+  assert mosaic_plan.geometry(80, 100, 24, 3).consumers == consumers
   raw = cases.make_case(cases.Case((2, 40), 100, 24, 3, 0, 64), seed=2, logit_scale=3.0)
   args = _jnp(raw, jnp.float32)
   loss = lambda h, e: cutbce.cut_bce(h, e, args["targets"], args["weights"],  # noqa: E731
@@ -96,13 +100,16 @@ def six_sm_gpu(monkeypatch):
   monkeypatch.setattr(mosaic_plan, "MAX_STAGES", 2)
 
 
-@pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_pipelines_wrap_their_buffers(six_sm_gpu, reduction):
-  """T = 199 (4 token tiles) and 16 vocab tiles in 3 splits: both kernels refill every slot."""
+@pytest.mark.parametrize("reduction,tokens", [("none", 199), ("mean", 150)])
+def test_pipelines_wrap_their_buffers(six_sm_gpu, reduction, tokens):
+  """T = 199 (4 token tiles: two warp-specialized CTAs of two) or 150 (3 tiles, an odd
+  number: the second CTA's second consumer has only padded tokens), 16 vocab tiles in 3
+  splits: both kernels refill every slot."""
   del six_sm_gpu
-  raw = cases.make_case(cases.Case((1, 199), 1003, 24, 2, 1, 64), seed=3, logit_scale=2.0)
+  raw = cases.make_case(cases.Case((1, tokens), 1003, 24, 2, 1, 64), seed=3, logit_scale=2.0)
   args = _jnp(raw, jnp.float32)
-  geom = mosaic_plan.geometry(199, NUM_ITEMS, 24, 3, 7, PLAN)
+  geom = mosaic_plan.geometry(tokens, NUM_ITEMS, 24, 3, 7, PLAN)
+  assert geom.consumers == 2 and geom.num_token_blocks == 2, geom
   assert geom.vocab_splits == 3 and geom.tiles_per_split > geom.stages == 2, geom
   assert geom.num_token_tiles > geom.table_stages, geom
 
@@ -170,13 +177,18 @@ def test_planner_fits_shared_memory_and_registers_on_hopper():
         assert "float32 values per thread" in str(error), error
         continue
       assert mosaic_plan.sweep_shared_bytes(geom.block_v, geom.dim_padded, pieces, 19,
-                                            geom.stages) <= budget
+                                            geom.stages, geom.consumers) <= budget
+      # Warp-specialized (two consumers) wherever their buffers fit: all but float32 at
+      # D = 128 and bfloat16 at D = 192, which keep one warpgroup per CTA.
+      assert geom.consumers == (1 if (pieces, dim) in ((3, 128), (1, 192)) else 2), geom
+      assert geom.tokens_padded % (64 * geom.consumers) == 0, geom
       assert mosaic_plan.table_shared_bytes(geom.dim_padded, pieces, 19,
                                             geom.table_stages) <= budget
       assert mosaic_plan.sweep_registers(geom.block_v, geom.dim_padded, pieces) <= (
           mosaic_plan.REGISTER_VALUES)
       assert geom.vocab_padded % geom.block_v == 0 and geom.tokens_padded % 64 == 0
-      assert geom.vocab_splits * geom.num_token_tiles >= spec.core_count, geom
+      # About two consumer warpgroups per SM.
+      assert geom.vocab_splits * geom.num_token_tiles >= 2 * spec.core_count, geom
   # bf16 at D = 64: 128-row tiles, the deepest pipeline.
   geom = mosaic_plan.geometry(2048, 1 << 20, 64, 1, spec=spec)
   assert (geom.block_v, geom.stages) == (128, mosaic_plan.MAX_STAGES)
