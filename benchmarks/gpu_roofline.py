@@ -15,7 +15,7 @@ measured time and measured / floor. `--static` (needs the CUDA plugin:
 `make test-gpu`'s .venv-gpu) compiles the Mosaic GPU kernels for sm_90a at
 two shapes per dtype and adds what their PTX and ptxas reports say
 (registers, spills, wgmma and MUFU instructions per tile; for the
-warp-specialized sweep ("_ws") ptxas' registers are the launch figure and
+warp-specialized kernels ("_ws") ptxas' registers are the launch figure and
 `consumer_registers` what setmaxnreg gives each consumer warpgroup). Floors are
 arithmetic, static rows "compiled for", measured rows "ran on".
 

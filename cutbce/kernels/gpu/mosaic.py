@@ -19,11 +19,13 @@ cores, the tile living only in registers:
           columns set in float32; G to shared memory and dh += G E (wgmma).
           Outputs per split (`[splits, T]`, `[splits, T, Dp]` f32), combined
           here.
-  table   grid (vocab tiles of 64 rows). A CTA holds its table tile and
-          streams the token tiles: it recomputes X and G as the sweep does
-          and accumulates dE += G^T H (wgmma, transposed operand) and
-          db += sum_t G in float32 registers, written once: deterministic,
-          no atomics.
+  table   grid (vocab blocks of 128 rows, warp-specialized the same way:
+          two consumers of 64 rows each share the producer's token tiles;
+          or of 64 rows with one warpgroup). A consumer holds its table
+          tile and reads the streamed token tiles: it recomputes X and G
+          as the sweep does and accumulates dE += G^T H (wgmma, transposed
+          operand) and db += sum_t G in float32 registers, written once:
+          deterministic, no atomics.
 
 float32 inputs stay exact on the tensor cores: every operand is split into
 three bfloat16 pieces (`pieces.py`) and each dot is the six piece products

@@ -23,8 +23,11 @@ outputs) and `Side` (which per-token operands it has):
           warpgroups (64 tokens each) read every slot and release it on a
           "consumed" barrier; else (`_sweep_body`) one warpgroup per CTA
           issues its own copies and refills a slot after its dots.
-  table   grid (vocab tiles of 64 rows); the table tile resident, the token
-          side streamed: dE += G^T H and db += sum_t G.
+  table   grid (vocab blocks); the table tile resident, the token side
+          streamed: dE += G^T H and db += sum_t G. Warp-specialized
+          (`_table_ws_body`, `geom.table_consumers` = 2: a producer streams
+          the token tiles, two consumers own 64 table rows each) or not
+          (`_table_body`).
 
 One exp and one reciprocal per logit for BCE (`bce_tile`), one exp for the
 softmax. The compiled/interpreted differences live in `mosaic_ops`.
@@ -431,34 +434,41 @@ def _sweep_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
     _sweep_store(carry, out_refs, dh_smem.at[warpgroup] if flags.with_grad else None,
                  sums_smem.at[warpgroup], split, tokens, flags)
 
-  @pl.when(warpgroup == consumers)
-  def _producer():
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+  def issue(tile, slot):  # table tile `first + tile` (and its bias) into buffer `slot`
+    rows = pl.ds((first + tile) * block_v, block_v)
+    for ref, smem, barrier in zip(table_refs, table_smem, stream_barriers):
+      plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], barrier.at[slot])
+    if flags.has_bias:
+      plgpu.copy_gmem_to_smem(bias_ref.at[rows], bias_smem.at[slot], stream_barriers[-1].at[slot])
 
-    def issue(tile, _):
-      slot = lax.rem(tile, stages)
+  pl.when(warpgroup == consumers)(
+      lambda: _produce(issue, num_tiles, stages, consumed_barrier))
 
-      @pl.when(tile >= stages)  # the slot's previous tile read by every consumer
-      def _():
-        plgpu.barrier_wait(consumed_barrier.at[slot])
 
-      rows = pl.ds((first + tile) * block_v, block_v)
-      for ref, smem, barrier in zip(table_refs, table_smem, stream_barriers):
-        plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], barrier.at[slot])
-      if flags.has_bias:
-        plgpu.copy_gmem_to_smem(bias_ref.at[rows], bias_smem.at[slot],
-                                stream_barriers[-1].at[slot])
-      return ()
+def _produce(issue, num_tiles, stages: int, consumed_barrier):
+  """The producer warpgroup: `issue(tile, slot)` for every tile, each slot refilled once
+  every consumer has arrived on its consumed barrier."""
+  plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-    lax.fori_loop(0, num_tiles, issue, ())
+  def produce(tile, _):
+    slot = lax.rem(tile, stages)
 
-    # Observe the last tiles' consumption too: every phase of a barrier is
-    # waited by the warpgroup that waits on it (the interpreter checks it).
-    def drain(tile, _):
-      plgpu.barrier_wait(consumed_barrier.at[lax.rem(tile, stages)])
-      return ()
+    @pl.when(tile >= stages)  # the slot's previous tile read by every consumer
+    def _():
+      plgpu.barrier_wait(consumed_barrier.at[slot])
 
-    lax.fori_loop(jnp.maximum(num_tiles - stages, 0), num_tiles, drain, ())
+    issue(tile, slot)
+    return ()
+
+  lax.fori_loop(0, num_tiles, produce, ())
+
+  # Observe the last tiles' consumption too: every phase of a barrier is
+  # waited by the warpgroup that waits on it (the interpreter checks it).
+  def drain(tile, _):
+    plgpu.barrier_wait(consumed_barrier.at[lax.rem(tile, stages)])
+    return ()
+
+  lax.fori_loop(jnp.maximum(num_tiles - stages, 0), num_tiles, drain, ())
 
 
 def _softmax_step(carry, logits, columns, geom, side, with_counts):
@@ -525,8 +535,13 @@ def sweep(hidden, table, bias, side_arrays: dict, *, geom: Geometry, flags: Flag
 
 
 def _table_kernel(*refs, geom: Geometry, flags: Flags, side: Side, interpret: bool):
-  pl.run_scoped(functools.partial(_table_body, refs, geom=geom, flags=flags, side=side,
-                                  interpret=interpret), *_table_scratch(geom, flags, side))
+  if geom.table_consumers == 1:
+    pl.run_scoped(functools.partial(_table_body, refs, geom=geom, flags=flags, side=side,
+                                    interpret=interpret), *_table_scratch(geom, flags, side))
+    return
+  pl.run_scoped(functools.partial(_table_ws_body, refs, geom=geom, flags=flags, side=side,
+                                  interpret=interpret), *_table_scratch(geom, flags, side),
+                collective_axes=WARPGROUPS)
 
 
 def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
@@ -539,7 +554,7 @@ def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
   table_grad_ref = refs.pop(0)  # [Vp, Dp] f32
   bias_grad_ref = refs.pop(0) if has_bias else None  # [Vp] f32
   (table_smem, bias_smem, hidden_smem, side_smem, grad_smem, table_grad_smem, bias_grad_smem,
-   resident_barrier, stream_barriers) = scratch
+   resident_barrier, stream_barriers, _) = scratch
 
   vocab_start = lax.axis_index("vocab") * TABLE_BLOCK_V
   rows = pl.ds(vocab_start, TABLE_BLOCK_V)
@@ -604,18 +619,109 @@ def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
   plgpu.wait_smem_to_gmem(0)
 
 
+def _table_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
+  """Warp-specialized dE kernel: a producer streams the token tiles (hidden pieces and
+  per-token operands) into `table_stages` slots; consumer `c` owns table rows
+  [64 c, 64 c + 64) of the CTA's block (its table tile, bias, G pieces, dE and db), reads
+  every slot and arrives on its consumed barrier once its two dots have read it."""
+  num_pieces, stages, has_bias = geom.pieces, geom.table_stages, flags.has_bias
+  consumers = geom.table_consumers
+  refs = list(refs)
+  hidden_refs = [refs.pop(0) for _ in range(num_pieces)]  # [Tp, Dp] bf16 each
+  table_refs = [refs.pop(0) for _ in range(num_pieces)]  # [Vp, Dp] bf16 each
+  bias_ref = refs.pop(0) if has_bias else None  # [Vp] f32
+  side_refs = {name: refs.pop(0) for name in side.names}  # [Tp] or [n, Tp]
+  table_grad_ref = refs.pop(0)  # [Vp, Dp] f32
+  bias_grad_ref = refs.pop(0) if has_bias else None  # [Vp] f32
+  (table_smem, bias_smem, hidden_smem, side_smem, grad_smem, table_grad_smem, bias_grad_smem,
+   resident_barrier, stream_barriers, consumed_barrier) = scratch
+  warpgroup = lax.axis_index(WARPGROUPS)
+  num_tiles = geom.num_token_tiles
+  products = pieces.PRODUCTS[num_pieces]
+
+  @pl.when(warpgroup < consumers)
+  def _consumer():
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+    vocab_start = (lax.axis_index("vocab") * consumers + warpgroup) * TABLE_BLOCK_V
+    rows = pl.ds(vocab_start, TABLE_BLOCK_V)
+    own_table = [smem.at[warpgroup] for smem in table_smem]
+    resident = [(ref.at[rows], smem) for ref, smem in zip(table_refs, own_table)]
+    if has_bias:
+      resident.append((bias_ref.at[rows], bias_smem.at[warpgroup]))
+    base = warpgroup * len(resident)
+    for index, (src, dst) in enumerate(resident):
+      plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[base + index])
+    for index in range(len(resident)):
+      plgpu.barrier_wait(resident_barrier.at[base + index])
+    bias = (ops.load_vector(bias_smem.at[warpgroup], ops.COLUMNS, interpret) if has_bias
+            else None)
+    own_grad = [smem.at[warpgroup] for smem in grad_smem]
+
+    def step(tile, carry):
+      table_grad, bias_grad = carry
+      slot = lax.rem(tile, stages)
+      for barrier in stream_barriers:
+        plgpu.barrier_wait(barrier.at[slot])
+      hidden_tile = [smem.at[slot] for smem in hidden_smem]
+      logits = ops.dot_nt(hidden_tile, own_table, products, interpret)  # [64 tokens, 64 items]
+      if has_bias:
+        logits = logits + _columns(bias, logits.shape)
+      columns = vocab_start + ops.iota((BLOCK_T, TABLE_BLOCK_V), 1, interpret)
+      grad = _grad_tile(flags.kind, logits, columns, geom,
+                        _load_side(side_smem, side, interpret, slot))
+      if has_bias:
+        bias_grad = bias_grad + jnp.sum(grad, axis=0)
+      _store_pieces(grad, own_grad)
+      # dE += G^T H: [64 items, 64 tokens] x [64 tokens, Dp]; then the slot is read.
+      table_grad = ops.dot_acc(table_grad, own_grad, hidden_tile, products, interpret,
+                               transpose_a=True)
+      plgpu.barrier_arrive(consumed_barrier.at[slot])
+      return table_grad, bias_grad
+
+    init = (ops.zeros((TABLE_BLOCK_V, geom.dim_padded), ops.WGMMA, interpret),
+            ops.zeros((TABLE_BLOCK_V,), ops.COLUMNS, interpret))
+    table_grad, bias_grad = lax.fori_loop(0, num_tiles, step, init)
+    table_grad_smem.at[warpgroup][...] = table_grad
+    if has_bias:
+      bias_grad_smem.at[warpgroup][...] = bias_grad
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(table_grad_smem.at[warpgroup], table_grad_ref.at[rows])
+    if has_bias:
+      plgpu.copy_smem_to_gmem(bias_grad_smem.at[warpgroup], bias_grad_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  streams = [(functools.partial(lambda r, tokens: r.at[tokens], ref), smem)
+             for ref, smem in zip(hidden_refs, hidden_smem)]
+  streams += [(functools.partial(_side_source, side_refs[name], name, side), side_smem[name])
+              for name in side.names]
+
+  def issue(tile, slot):  # token tile `tile` into buffer `slot`
+    tokens = pl.ds(tile * BLOCK_T, BLOCK_T)
+    for (source, smem), barrier in zip(streams, stream_barriers):
+      plgpu.copy_gmem_to_smem(source(tokens), smem.at[slot], barrier.at[slot])
+
+  pl.when(warpgroup == consumers)(
+      lambda: _produce(issue, num_tiles, stages, consumed_barrier))
+
+
 def _table_scratch(geom: Geometry, flags: Flags, side: Side):
   num_pieces, stages, dim = geom.pieces, geom.table_stages, geom.dim_padded
+  # One per consumer warpgroup when warp-specialized: [consumers, ...].
+  own = () if geom.table_consumers == 1 else (geom.table_consumers,)
   return (
-      [_smem((TABLE_BLOCK_V, dim), tiled=True) for _ in range(num_pieces)],  # table tile pieces
-      _smem((TABLE_BLOCK_V,), jnp.float32) if flags.has_bias else None,
+      [_smem((*own, TABLE_BLOCK_V, dim), tiled=True)
+       for _ in range(num_pieces)],  # table tile pieces
+      _smem((*own, TABLE_BLOCK_V), jnp.float32) if flags.has_bias else None,
       [_smem((stages, BLOCK_T, dim), tiled=True) for _ in range(num_pieces)],  # hidden pieces
       _side_smem(side, (stages,)),
-      [_smem((BLOCK_T, TABLE_BLOCK_V), tiled=True) for _ in range(num_pieces)],  # G pieces
-      _smem((TABLE_BLOCK_V, dim), jnp.float32),  # dE staging
-      _smem((TABLE_BLOCK_V,), jnp.float32) if flags.has_bias else None,  # db staging
-      plgpu.Barrier(num_barriers=num_pieces + flags.has_bias),
+      [_smem((*own, BLOCK_T, TABLE_BLOCK_V), tiled=True) for _ in range(num_pieces)],  # G pieces
+      _smem((*own, TABLE_BLOCK_V, dim), jnp.float32),  # dE staging
+      _smem((*own, TABLE_BLOCK_V), jnp.float32) if flags.has_bias else None,  # db staging
+      plgpu.Barrier(num_barriers=(num_pieces + flags.has_bias) * geom.table_consumers),
       [plgpu.Barrier(num_barriers=stages) for _ in range(num_pieces + len(side.names))],
+      # A slot is consumed once every consumer has read it (warp-specialized only).
+      plgpu.Barrier(num_arrivals=geom.table_consumers, num_barriers=stages)
+      if geom.table_consumers > 1 else None,
   )
 
 
@@ -631,7 +737,10 @@ def table_grad(hidden, table, bias, side_arrays: dict, *, geom: Geometry, flags:
   kernel = functools.partial(_table_kernel, geom=geom, flags=flags, side=side,
                              interpret=interpret)
   kernel.__name__ = (f"cutbce_mosaic_{'softmax_' if flags.kind == 'softmax' else ''}"
-                     f"table_grad_s{geom.table_stages}")
-  outputs = plgpu.kernel(kernel, out_type=out_type, grid=(geom.vocab_padded // TABLE_BLOCK_V,),
-                         grid_names=("vocab",), interpret=params)(*inputs)
+                     f"table_grad_s{geom.table_stages}"
+                     f"{'_ws' if geom.table_consumers > 1 else ''}")
+  threads = ({} if geom.table_consumers == 1
+             else dict(num_threads=geom.table_consumers + 1, thread_name=WARPGROUPS))
+  outputs = plgpu.kernel(kernel, out_type=out_type, grid=(geom.num_table_blocks,),
+                         grid_names=("vocab",), interpret=params, **threads)(*inputs)
   return outputs[0], (outputs[1] if flags.has_bias else None)

@@ -15,8 +15,12 @@ program is traced. Each logit tile is computed once, on the tensor cores
            warpgroup per CTA that issues its own copies (`consumers` = 1).
            The vocabulary of each token block is cut into `vocab_splits`
            parts so that every SM has work at small T.
-  table    (dE and db)  a resident `[64, Dp]` table tile, `[64, Dp]` hidden
-           tiles streamed the same way; no splits (V / 64 CTAs).
+  table    (dE and db)  a resident `[64, Dp]` table tile per consumer,
+           `[64, Dp]` hidden tiles streamed the same way; warp-specialized
+           where it fits (`table_consumers` = 2: a producer streams the
+           token tiles, two consumers of 64 table rows each read them, so
+           the tokens are streamed once per 128 rows), else one warpgroup;
+           no splits (V / 128 or V / 64 CTAs).
 
 Budgets, per CTA:
 
@@ -84,6 +88,7 @@ class Geometry(NamedTuple):
   stages: int  # the sweep's TMA buffers
   consumers: int  # the sweep's consumer warpgroups per CTA (2: warp-specialized, 1: not)
   table_stages: int  # the dE kernel's TMA buffers
+  table_consumers: int  # the dE kernel's consumer warpgroups per CTA (64 table rows each)
   vocab_splits: int
   tiles_per_split: int
   pieces: int  # bfloat16 pieces per operand: 1 (bf16) or 3 (f32)
@@ -96,6 +101,11 @@ class Geometry(NamedTuple):
   def num_token_blocks(self) -> int:
     """The sweep's CTAs along the tokens: `consumers` 64-row tiles each."""
     return self.tokens_padded // (BLOCK_T * self.consumers)
+
+  @property
+  def num_table_blocks(self) -> int:
+    """The dE kernel's CTAs: `table_consumers` 64-row table tiles each."""
+    return self.vocab_padded // (TABLE_BLOCK_V * self.table_consumers)
 
   @property
   def num_vocab_tiles(self) -> int:
@@ -128,13 +138,18 @@ def sweep_shared_bytes(block_v: int, dim_padded: int, pieces: int, token_rows: i
   return consumers * resident + stages * streamed
 
 
-def table_shared_bytes(dim_padded: int, pieces: int, token_rows: int, stages: int) -> int:
+def table_shared_bytes(dim_padded: int, pieces: int, token_rows: int, stages: int,
+                       consumers: int = 1) -> int:
   """Shared memory of one dE CTA (bytes); `token_rows` 4-byte values per token."""
+  # Per consumer warpgroup (its own 64 table rows):
   resident = pieces * TABLE_BLOCK_V * dim_padded * PIECE_BYTES + TABLE_BLOCK_V * 4
   resident += pieces * BLOCK_T * TABLE_BLOCK_V * PIECE_BYTES  # gradient tile pieces
   resident += TABLE_BLOCK_V * dim_padded * 4 + TABLE_BLOCK_V * 4  # dE, db staging
+  resident += (pieces + 1) * BARRIER_BYTES  # its resident copies' barriers
+  # Per stage, read by every consumer: a token tile and its copies' (and consumed) barriers.
   streamed = pieces * BLOCK_T * dim_padded * PIECE_BYTES + token_rows * BLOCK_T * 4
-  return resident + stages * streamed
+  streamed += (pieces + token_rows + (consumers > 1)) * BARRIER_BYTES
+  return consumers * resident + stages * streamed
 
 
 def _stages(fits) -> int | None:
@@ -190,7 +205,12 @@ def geometry(num_tokens: int, num_items: int, dim: int, pieces: int, token_rows:
         break
     if block_v is not None:
       break
-  table_stages = _stages(lambda s: table_shared_bytes(dim_padded, pieces, token_rows, s) <= budget)
+  table_stages = None
+  for table_consumers in sorted({CONSUMERS, 1}, reverse=True):
+    table_stages = _stages(lambda s, c=table_consumers: table_shared_bytes(
+        dim_padded, pieces, token_rows, s, c) <= budget)
+    if table_stages is not None:
+      break
   smallest = VOCAB_BLOCKS[-1] if plan is None else plan.block_v
   if sweep_registers(smallest, dim_padded, pieces) > REGISTER_VALUES:
     raise ValueError(
@@ -207,7 +227,8 @@ def geometry(num_tokens: int, num_items: int, dim: int, pieces: int, token_rows:
   while block_v > VOCAB_BLOCKS[-1] and block_v // 2 >= num_items:
     block_v //= 2
   tokens_padded = round_up(max(num_tokens, 1), BLOCK_T * consumers)
-  vocab_padded = round_up(max(num_items, 1), block_v)
+  # A multiple of the sweep's tile and of the dE kernel's CTA (both powers of two).
+  vocab_padded = round_up(max(num_items, 1), max(block_v, TABLE_BLOCK_V * table_consumers))
   num_token_blocks = tokens_padded // (BLOCK_T * consumers)
   num_vocab_tiles = vocab_padded // block_v
   wanted = -(-CONSUMERS_PER_CORE * spec.core_count // (consumers * num_token_blocks))
@@ -217,6 +238,7 @@ def geometry(num_tokens: int, num_items: int, dim: int, pieces: int, token_rows:
   return Geometry(
       num_tokens=num_tokens, num_items=num_items, dim=dim, tokens_padded=tokens_padded,
       vocab_padded=vocab_padded, dim_padded=dim_padded, block_v=block_v, stages=stages,
-      consumers=consumers, table_stages=table_stages, vocab_splits=splits,
+      consumers=consumers, table_stages=table_stages, table_consumers=table_consumers,
+      vocab_splits=splits,
       tiles_per_split=tiles_per_split,
       pieces=pieces)

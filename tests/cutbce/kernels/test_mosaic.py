@@ -183,7 +183,9 @@ def test_planner_fits_shared_memory_and_registers_on_hopper():
       assert geom.consumers == (1 if (pieces, dim) in ((3, 128), (1, 192)) else 2), geom
       assert geom.tokens_padded % (64 * geom.consumers) == 0, geom
       assert mosaic_plan.table_shared_bytes(geom.dim_padded, pieces, 19,
-                                            geom.table_stages) <= budget
+                                            geom.table_stages, geom.table_consumers) <= budget
+      assert geom.table_consumers == geom.consumers, geom
+      assert geom.vocab_padded % (64 * geom.table_consumers) == 0, geom
       assert mosaic_plan.sweep_registers(geom.block_v, geom.dim_padded, pieces) <= (
           mosaic_plan.REGISTER_VALUES)
       assert geom.vocab_padded % geom.block_v == 0 and geom.tokens_padded % 64 == 0

@@ -76,7 +76,7 @@ def test_tensor_cores_one_logit_per_tile_two_mufu_per_logit(case):
   assert len(sweep) == 1 and len(table) == 1, sorted(reports)
   sweep, table = sweep[0], table[0]
   # Warp-specialized (one producer, two consumer warpgroups) at all four shapes.
-  assert sweep.name.endswith("_ws"), sweep.name
+  assert sweep.name.endswith("_ws") and table.name.endswith("_ws"), (sweep.name, table.name)
   block_v = int(re.search(r"_bv(\d+)_", sweep.name).group(1))
   dim_padded = -(-dim // 64) * 64
   products = len(gpu_pieces.PRODUCTS[3 if dtype == "float32" else 1])
@@ -100,11 +100,11 @@ def test_tensor_cores_one_logit_per_tile_two_mufu_per_logit(case):
 def test_two_passes_compile_a_forward_only_sweep():
   _, reports = _compile(("h200", 1024, 65_536, 64, "bfloat16", 2, True, 0, None),
                         reduction="none")
-  names = sorted(re.sub(r"_bv\d+_s\d+(_ws)?$|_s\d+$", "", name) for name in reports)
+  names = sorted(re.sub(r"(_bv\d+)?_s\d+(_ws)?$", "", name) for name in reports)
   assert names == ["cutbce_mosaic_sweep_dh", "cutbce_mosaic_sweep_loss",
                    "cutbce_mosaic_table_grad"], names
-  # bf16 at D = 64: both sweeps warp-specialized (a producer, two consumers).
-  assert sum(name.endswith("_ws") for name in reports) == 2, sorted(reports)
+  # bf16 at D = 64: all three kernels warp-specialized (a producer, two consumers).
+  assert all(name.endswith("_ws") for name in reports), sorted(reports)
   forward = next(r for n, r in reports.items() if n.startswith("cutbce_mosaic_sweep_loss"))
   # The loss alone: one logit dot per tile, one exp and one reciprocal per logit.
   block_v = int(re.search(r"_bv(\d+)_", forward.name).group(1))
@@ -132,7 +132,7 @@ def test_softmax_kernels_one_exp_per_logit(dtype):
       "h200", "pallas_gpu", kind="softmax_ce", tokens=2048, vocab=262_147, dim=64,
       dtype=jnp.dtype(dtype), num_targets=4, bias=True, num_exclude=3, num_items=262_144,
       label_smoothing=0.1))
-  names = sorted(re.sub(r"_bv\d+_s\d+(_ws)?$|_s\d+$", "", name) for name in reports)
+  names = sorted(re.sub(r"(_bv\d+)?_s\d+(_ws)?$", "", name) for name in reports)
   assert names == ["cutbce_mosaic_softmax_sweep_dh", "cutbce_mosaic_softmax_sweep_loss",
                    "cutbce_mosaic_softmax_table_grad"], names
   for name, report in reports.items():
