@@ -13,6 +13,7 @@ compiler's own out-of-VMEM report, followed until it compiles). Beside it:
     python benchmarks/tpu_vmem.py --plans             # what the calibration bought
     python benchmarks/tpu_vmem.py --grid              # the planner's own plans, every chip
     python benchmarks/tpu_vmem.py --plans40           # plans before and after issue 40
+    python benchmarks/tpu_vmem.py --record-before     # the planner of BEFORE_ISSUE_40's plans
 
 `--grid` (issue 40) takes, for every chip the planner knows and a grid of
 shapes (D 64-512, T 512-65,536, V 10^4-10^7, bf16 and f32), the plan the
@@ -21,6 +22,11 @@ placement of whole arrays in VMEM off (`compiler.WINDOWS_ONLY_FLAGS`: every
 operand through its window, the kernel's own worst case): the numbers
 `tests/cutbce/kernels/test_vmem_band.py` holds the estimate to.
 Measurements are keyed by plan, so a planner change measures only new plans.
+
+`--record-before` keeps, for the same grid, the plans of the planner as it
+was before issue 40 (its `tiling.py` read from git at `BEFORE_ISSUE_40`):
+the test holds today's planner to them (never more token chunks; at as many,
+never a smaller logit tile).
 
 `--plans` compiles, for a few shapes where the calibrated planner picks other
 tiles than the planner before it (whose plans are kept below as data), the
@@ -40,8 +46,10 @@ import argparse
 import json
 import os
 import pathlib
+import subprocess
 import sys
 import time
+import types
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -101,12 +109,15 @@ GRID_TARGETS = 8  # L of the rank kernel and fixed columns of the backward ones
 # where the new one picks others), compared by `--plans40`.
 PLANS_BEFORE_ISSUE_40 = {
     ("v4", "backward", 4096, 876_939, 128, "bfloat16"): (128, 512, 1408),
+    ("v4", "ranks", 16_384, 300_007, 256, "float32"): (512, 128, 2048),
     ("v5e", "backward", 65_536, 1_000_003, 64, "bfloat16"): (256, 2048, 13_312),
-    ("v5p", "backward", 65_536, 1_000_003, 64, "bfloat16"): (128, 128, 7296),
-    ("v6e", "backward", 16_384, 300_007, 256, "float32"): (256, 2048, 8704),
-    ("7x", "backward", 16_384, 300_007, 256, "float32"): (256, 1024, 4096),
+    ("v5p", "backward", 16_384, 300_007, 256, "float32"): (256, 1024, 4096),
+    ("7x", "backward", 16_384, 10_000_019, 64, "bfloat16"): (256, 2048, 5632),
     ("v5e", "forward", 65_536, 1_000_003, 64, "bfloat16"): (256, 4096, 34_560),
 }
+# The planner before issue 40 (the commit before its first change to tiling.py).
+BEFORE_ISSUE_40 = "88ba2e6"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 ESTIMATED_AS = {"forward": "forward", "backward": "backward", "one_pass": "backward",
                 "ranks": "ranks"}
 
@@ -151,6 +162,33 @@ def grid_points(chips=GRID_CHIPS, kernels=GRID_KERNELS, shapes=GRID_SHAPES):
                                  kernel=ESTIMATED_AS[kernel], num_targets=GRID_TARGETS)
         yield (grid_key(chip, kernel, tokens, vocab, dim, dtype, plan), chip, kernel, tokens,
                vocab, dim, dtype, plan)
+
+
+def planner_points(chips=GRID_CHIPS, shapes=GRID_SHAPES):
+  """(key, chip, kernel, T, V, D, dtype) of each plan the planner makes over the grid."""
+  for chip in chips:
+    for kernel in tiling.KERNELS:
+      for tokens, vocab, dim, dtype in shapes:
+        yield (f"{chip}/{kernel}/T{tokens}/V{vocab}/D{dim}/{dtype}", chip, kernel, tokens, vocab,
+               dim, dtype)
+
+
+def plans_of_revision(revision: str) -> dict:
+  """{planner_points key: [block_t, block_v, token_chunk]} of the planner at git `revision`."""
+  source = subprocess.run(["git", "show", f"{revision}:cutbce/kernels/tiling.py"], cwd=ROOT,
+                          capture_output=True, text=True, check=True).stdout
+  module = types.ModuleType(f"tiling_at_{revision}")
+  sys.modules[module.__name__] = module  # dataclasses look their module up
+  try:
+    exec(compile(source, f"{revision}:cutbce/kernels/tiling.py", "exec"), module.__dict__)  # noqa: S102
+    plans = {}
+    for key, chip, kernel, tokens, vocab, dim, dtype in planner_points():
+      plan = module.plan_tiles(tokens, vocab, dim, dtype, chip=chip, kernel=kernel,
+                               num_targets=GRID_TARGETS)
+      plans[key] = [plan.block_t, plan.block_v, min(plan.token_chunk, tokens)]
+    return plans
+  finally:
+    del sys.modules[module.__name__]
 
 
 def grid_estimate(r: dict) -> int:
@@ -199,7 +237,8 @@ def measure_grid(grid: dict, save, chips=GRID_CHIPS, kernels=GRID_KERNELS) -> No
           flush=True)
 
 
-def compare_plans(results: dict, before_plans=None, prefix: str = "plans") -> None:
+def compare_plans(results: dict, before_plans=None, prefix: str = "plans",
+                  num_targets: int = tiling.PLANNED_TARGETS) -> None:
   """The compiler's optimal_seconds of each kernel of `before_plans`, before and after."""
   before_plans = PLANS_BEFORE if before_plans is None else before_plans
   print(f"{'chip':>4} {'kernel':>8} {'T':>6} {'D':>4} {'dtype':>8} {'plan before':>20} "
@@ -208,14 +247,16 @@ def compare_plans(results: dict, before_plans=None, prefix: str = "plans") -> No
     key = f"{prefix}/{chip}/{kernel}/T{tokens}/V{vocab}/D{dim}/{dtype}"
     if key not in results:
       device = compiler.chip_device(chip)
-      after = tiling.plan_tiles(tokens, vocab, dim, dtype, chip=chip, kernel=kernel)
+      after = tiling.plan_tiles(tokens, vocab, dim, dtype, chip=chip, kernel=kernel,
+                                num_targets=num_targets)
       row = {"before": before,
              "after": (after.block_t, after.block_v, min(after.token_chunk, tokens))}
       for name, (block_t, block_v, chunk) in (("before", before), ("after", row["after"])):
         plan = TilePlan(block_t=block_t, block_v=block_v, token_chunk=chunk,
                         vmem_limit_bytes=after.vmem_limit_bytes)
         compiled = compiler.compile_kernel(kernel, plan=plan, num_tokens=tokens, vocab=vocab,
-                                           dim=dim, dtype=jnp.dtype(dtype), device=device)
+                                           dim=dim, dtype=jnp.dtype(dtype), device=device,
+                                           num_targets=num_targets)
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         row[f"optimal_seconds_{name}"] = float(cost["optimal_seconds"])
@@ -242,6 +283,8 @@ def main(argv=None):
                       help="compare the plans before and after issue 40's VMEM model")
   parser.add_argument("--grid", action="store_true",
                       help="measure the planner's plans over the grid of chips and shapes")
+  parser.add_argument("--record-before", action="store_true",
+                      help=f"record the plans of the planner at {BEFORE_ISSUE_40} (git) over the grid")
   parser.add_argument("--out", default="docs/results/tpu_vmem.json")
   args = parser.parse_args(argv)
   reason = compiler.libtpu_missing_reason()
@@ -251,11 +294,19 @@ def main(argv=None):
   saved = {} if args.fresh or not out.exists() else json.loads(out.read_text())
   results, plans = saved.get("cases", {}), saved.get("plans", {})
   grid = saved.get("grid", {})
+  before = saved.get("planner_before_issue_40", {})
 
   def save():
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"tokens": TOKENS, "vocab": VOCAB, "base": BASE,
-                               "cases": results, "plans": plans, "grid": grid}, indent=1) + "\n")
+                               "cases": results, "plans": plans, "grid": grid,
+                               "planner_before_issue_40": before}, indent=1) + "\n")
+
+  if args.record_before:
+    before = {"revision": BEFORE_ISSUE_40, "plans": plans_of_revision(BEFORE_ISSUE_40)}
+    save()
+    print(f"{len(before['plans'])} plans of the planner at {BEFORE_ISSUE_40}; wrote {out}")
+    return
 
   if args.grid:
     # Before libtpu loads: every operand through its window (see the flags).
@@ -270,7 +321,9 @@ def main(argv=None):
 
   cases = CASES[:1] if args.quick else CASES
   if args.plans40:
-    compare_plans(plans, PLANS_BEFORE_ISSUE_40, prefix="plans40")
+    for key in [key for key in plans if key.startswith("plans40/")]:
+      del plans[key]  # compiled again: the planner's plans may have changed since
+    compare_plans(plans, PLANS_BEFORE_ISSUE_40, prefix="plans40", num_targets=GRID_TARGETS)
     save()
     print(f"wrote {out}")
     return

@@ -75,3 +75,23 @@ def test_recompiled_need_matches_the_file_and_the_band(chip, kernel):
       key, need / tiling.MIB, recorded["actual_bytes"] / tiling.MIB)
   ratio = tpu_vmem.grid_estimate(recorded) / need
   assert BAND[0] <= ratio <= BAND[1], (key, ratio)
+
+
+def test_the_planner_never_plans_smaller_than_before_issue_40():
+  """Today's plans against the planner before issue 40 (`tpu_vmem.py --record-before`):
+  never more token chunks (table sweeps), at as many never a smaller logit tile,
+  and fewer chunks or a larger tile in many (what the tighter estimate buys)."""
+  before = json.loads(RESULTS.read_text())["planner_before_issue_40"]["plans"]
+  problems, better = [], 0
+  for key, chip, kernel, tokens, vocab, dim, dtype in tpu_vmem.planner_points():
+    plan = tiling.plan_tiles(tokens, vocab, dim, dtype, chip=chip, kernel=kernel,
+                             num_targets=tpu_vmem.GRID_TARGETS)
+    block_t, block_v, chunk = before[key]
+    now = (-(-tokens // min(plan.token_chunk, tokens)), -plan.block_t * plan.block_v)
+    then = (-(-tokens // chunk), -block_t * block_v)
+    if now > then:
+      problems.append(f"{key}: ({plan.block_t}, {plan.block_v}, {plan.token_chunk}) in {now[0]} "
+                      f"chunks, before ({block_t}, {block_v}, {chunk}) in {then[0]}")
+    better += now < then
+  assert not problems, "\n".join(problems)
+  assert len(before) == 105 and better >= 40, (len(before), better)
