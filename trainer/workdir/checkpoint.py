@@ -246,6 +246,9 @@ class _QuietStderr:
     return getattr(self._stream, name)
 
 
+_NEVER_AWAITED = r"coroutine '.*' was never awaited"
+
+
 def _unretrieved_reads(record: logging.LogRecord) -> bool:
   """Drops asyncio's "Future/Task exception was never retrieved" (with the read's
   traceback) for the reads a failed restore abandoned; everything else passes."""
@@ -263,17 +266,27 @@ def quiet_native_errors():
   if isinstance(sys.stderr, _QuietStderr) and getattr(quiet_native_errors, "kept", False):
     yield  # one failed already: the filter stays
     return
-  stream = sys.stderr
+  stream, asyncio_logger = sys.stderr, logging.getLogger("asyncio")
   sys.stderr = _QuietStderr(stream)
+  # From the start: the reads a failing restore abandons may be collected (and
+  # reported) before its exception reaches this block.
+  asyncio_logger.addFilter(_unretrieved_reads)
   try:
-    yield
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", _NEVER_AWAITED, RuntimeWarning)
+      try:
+        yield
+      except BaseException:
+        quiet_native_errors.kept = True
+        gc.collect()  # the failed reads call back as their futures are collected
+        raise
   except BaseException:
-    logging.getLogger("asyncio").addFilter(_unretrieved_reads)
-    warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
-    quiet_native_errors.kept = True
-    gc.collect()  # the failed reads call back as their futures are collected
+    warnings.filterwarnings("ignore", _NEVER_AWAITED, RuntimeWarning)  # for the late ones
     raise
-  if isinstance(sys.stderr, _QuietStderr) and not getattr(quiet_native_errors, "kept", False):
+  if getattr(quiet_native_errors, "kept", False):
+    return
+  asyncio_logger.removeFilter(_unretrieved_reads)
+  if isinstance(sys.stderr, _QuietStderr):
     sys.stderr = stream
 
 
