@@ -544,6 +544,26 @@ def _table_kernel(*refs, geom: Geometry, flags: Flags, side: Side, interpret: bo
                 collective_axes=WARPGROUPS)
 
 
+def _table_update(carry, hidden_tile, table_tile, grad_refs, bias, vocab_start, side_values,
+                  geom: Geometry, flags: Flags, interpret: bool):
+  """(dE, db) after one token tile: its logits against the table tile, G (stored as pieces
+  in `grad_refs`), db += sum_t G and dE += G^T H ([64 items, 64 tokens] x [64 tokens, Dp])."""
+  table_grad, bias_grad = carry
+  products = pieces.PRODUCTS[geom.pieces]
+  logits = ops.dot_nt(hidden_tile, table_tile, products, interpret)  # [64 tokens, 64 items]
+  if bias is not None:
+    logits = logits + _columns(bias, logits.shape)
+  # Made in the step, not held across it: a tile of indices is 32 registers.
+  columns = vocab_start + ops.iota((BLOCK_T, TABLE_BLOCK_V), 1, interpret)
+  grad = _grad_tile(flags.kind, logits, columns, geom, side_values)
+  if bias is not None:
+    bias_grad = bias_grad + jnp.sum(grad, axis=0)
+  _store_pieces(grad, grad_refs)
+  table_grad = ops.dot_acc(table_grad, grad_refs, hidden_tile, products, interpret,
+                           transpose_a=True)
+  return table_grad, bias_grad
+
+
 def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
   num_pieces, stages, has_bias = geom.pieces, geom.table_stages, flags.has_bias
   refs = list(refs)
@@ -581,27 +601,16 @@ def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
   for index in range(len(resident)):
     plgpu.barrier_wait(resident_barrier.at[index])
   bias = ops.load_vector(bias_smem, ops.COLUMNS, interpret) if has_bias else None
-  products = pieces.PRODUCTS[num_pieces]
 
   def step(tile, carry):
     table_grad, bias_grad = carry
     slot = lax.rem(tile, stages)
     for barrier in stream_barriers:
       plgpu.barrier_wait(barrier.at[slot])
-    hidden_tile = [smem.at[slot] for smem in hidden_smem]
-    logits = ops.dot_nt(hidden_tile, table_smem, products, interpret)  # [64 tokens, 64 items]
-    if has_bias:
-      logits = logits + _columns(bias, logits.shape)
-    # Made in the step, not held across it: a tile of indices is 32 registers.
-    columns = vocab_start + ops.iota((BLOCK_T, TABLE_BLOCK_V), 1, interpret)
-    grad = _grad_tile(flags.kind, logits, columns, geom,
-                      _load_side(side_smem, side, interpret, slot))
-    if has_bias:
-      bias_grad = bias_grad + jnp.sum(grad, axis=0)
-    _store_pieces(grad, grad_smem)
-    # dE += G^T H: [64 items, 64 tokens] x [64 tokens, Dp].
-    table_grad = ops.dot_acc(table_grad, grad_smem, hidden_tile, products, interpret,
-                             transpose_a=True)
+    table_grad, bias_grad = _table_update(
+        (table_grad, bias_grad), [smem.at[slot] for smem in hidden_smem], table_smem,
+        grad_smem, bias, vocab_start, _load_side(side_smem, side, interpret, slot), geom,
+        flags, interpret)
     refill = tile + stages
     pl.when(refill < num_tiles)(lambda: issue(refill, slot))
     return table_grad, bias_grad
@@ -637,7 +646,6 @@ def _table_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
    resident_barrier, stream_barriers, consumed_barrier) = scratch
   warpgroup = lax.axis_index(WARPGROUPS)
   num_tiles = geom.num_token_tiles
-  products = pieces.PRODUCTS[num_pieces]
 
   @pl.when(warpgroup < consumers)
   def _consumer():
@@ -662,19 +670,10 @@ def _table_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
       slot = lax.rem(tile, stages)
       for barrier in stream_barriers:
         plgpu.barrier_wait(barrier.at[slot])
-      hidden_tile = [smem.at[slot] for smem in hidden_smem]
-      logits = ops.dot_nt(hidden_tile, own_table, products, interpret)  # [64 tokens, 64 items]
-      if has_bias:
-        logits = logits + _columns(bias, logits.shape)
-      columns = vocab_start + ops.iota((BLOCK_T, TABLE_BLOCK_V), 1, interpret)
-      grad = _grad_tile(flags.kind, logits, columns, geom,
-                        _load_side(side_smem, side, interpret, slot))
-      if has_bias:
-        bias_grad = bias_grad + jnp.sum(grad, axis=0)
-      _store_pieces(grad, own_grad)
-      # dE += G^T H: [64 items, 64 tokens] x [64 tokens, Dp]; then the slot is read.
-      table_grad = ops.dot_acc(table_grad, own_grad, hidden_tile, products, interpret,
-                               transpose_a=True)
+      table_grad, bias_grad = _table_update(
+          (table_grad, bias_grad), [smem.at[slot] for smem in hidden_smem], own_table,
+          own_grad, bias, vocab_start, _load_side(side_smem, side, interpret, slot), geom,
+          flags, interpret)
       plgpu.barrier_arrive(consumed_barrier.at[slot])
       return table_grad, bias_grad
 
