@@ -1,6 +1,7 @@
 """The topic generator (`synthetic_topics`): determinism, stated statistics, ceiling, errors."""
 
 import hashlib
+import json
 import math
 
 import numpy as np
@@ -155,3 +156,29 @@ def test_doctests():
   for module in (synthetic_topics, synthetic_ceiling):
     failures, _ = doctest.testmod(module)
     assert failures == 0, module.__name__
+
+
+def test_prepared_from_the_command_line(tmp_path, capsys):
+  """`python -m trainer.data --dataset synthetic_topics` takes the topic flags, leaves
+  the others at the source's defaults (ML-1M's exponent, not `synthetic`'s 1.0), and
+  refuses a bad one in one line."""
+  from trainer.data import __main__ as cli  # pylint: disable=import-outside-toplevel
+  flags = ["--num-users", "40", "--num-items", "300", "--num-topics", "12",
+           "--topics-per-user", "2", "--seed", "5"]
+  assert cli.main(["--dataset", "synthetic_topics", "--out", str(tmp_path / "a"), *flags]) == 0
+  summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  want = synthetic_topics.generate_topics(num_users=40, num_items=300, num_topics=12,
+                                          topics_per_user=2, seed=5)
+  assert summary["num_items"] == 300 and summary["num_interactions"] == len(want.item)
+  args = cli.parse_args(["--dataset", "synthetic_topics", "--out", "x", *flags])
+  assert cli.source_options(args) == {"num_users": 40, "num_items": 300, "num_topics": 12,
+                                      "topics_per_user": 2, "topic_stay_prob": 0.8, "seed": 5}
+  assert cli.source_options(cli.parse_args(["--dataset", "synthetic", "--out", "x"]))[
+      "zipf_exponent"] == 1.0
+  code = cli.main(["--dataset", "synthetic_topics", "--out", str(tmp_path / "b"),
+                   "--num-topics", "0"])
+  assert code == 2 and capsys.readouterr().err.startswith("bad config: --num-topics=0")
+  code = cli.main(["--dataset", "synthetic_topics", "--out", str(tmp_path / "c"),
+                   "--num-items", "10", "--num-topics", "20"])
+  err = capsys.readouterr().err
+  assert code == 2 and "num_topics=20" in err and len(err.strip().splitlines()) == 1, err

@@ -20,6 +20,8 @@ Examples::
       --yambda-event listens --split gts --out /data/yambda-50m
   python -m trainer.data --dataset synthetic --num-users 100000 \
       --num-items 1000000 --interactions-per-user 100 --out /data/syn
+  python -m trainer.data --dataset synthetic_topics --num-users 20000 \
+      --num-items 100000 --num-topics 1000 --out /data/topics-100k
   python -m trainer.data --dataset files --path 'logs/*.parquet' \
       --user-col uid --item-col item_id --time-col timestamp \
       --filter 'played_ratio_pct>=50' --out /data/mine
@@ -70,9 +72,17 @@ FLAG_KEYS: tuple[schema.Key, ...] = (
     key("num_users", INT, _IDS, "synthetic users"),
     key("num_items", INT, _IDS, "synthetic catalog size"),
     key("interactions_per_user", INT, at_least(1), "synthetic mean sequence length"),
-    key("zipf_exponent", FLOAT, above(0), "synthetic Zipf exponent"),
-    key("transition_prob", FLOAT, unit(), "synthetic planted-transition probability"),
+    key("zipf_exponent", FLOAT, above(0), "synthetic Zipf exponent (None: the source's, 1.0 "
+        "for synthetic, 0.697 for synthetic_topics)", none_ok=True),
+    key("transition_prob", FLOAT, unit(), "synthetic planted-transition probability (None: "
+        "the source's, 0.5 for synthetic, 0 for synthetic_topics)", none_ok=True),
     key("seed", INT, at_least(0), "synthetic seed"),
+    key("num_topics", INT, at_least(1), "synthetic_topics: latent topics K (<= items)"),
+    key("topics_per_user", INT, at_least(1), "synthetic_topics: interest slots per user"),
+    key("topic_stay_prob", FLOAT, unit(), "synthetic_topics: probability an event keeps "
+        "the previous slot"),
+    key("repeat_prob", FLOAT, unit(), "synthetic_topics: probability an event repeats a "
+        "recent item (None: the source's, 0 as measured on ML-1M)", none_ok=True),
     key("memory_limit", STR, None, "out-of-core engine's memory limit, e.g. 4GB (None: half "
         "the RAM)", none_ok=True),
     key("num_shards", INT, at_least(1), "event arrays cut by user into this many shard files"),
@@ -257,9 +267,18 @@ def _parser() -> argparse.ArgumentParser:
   group.add_argument("--num-users", default=1_000)
   group.add_argument("--num-items", default=10_000)
   group.add_argument("--interactions-per-user", default=50)
-  group.add_argument("--zipf-exponent", default=1.0)
-  group.add_argument("--transition-prob", default=0.5)
+  group.add_argument("--zipf-exponent", default=None,
+                      help="None: 1.0 for synthetic, 0.697 (ML-1M's) for synthetic_topics")
+  group.add_argument("--transition-prob", default=None,
+                      help="None: 0.5 for synthetic, 0 for synthetic_topics")
   group.add_argument("--seed", default=0)
+  group = parser.add_argument_group(
+      "synthetic_topics (also --num-users, --num-items, --zipf-exponent, --transition-prob, "
+      "--seed; history lengths as measured on ML-1M, docs/data.md)")
+  group.add_argument("--num-topics", default=1_000)
+  group.add_argument("--topics-per-user", default=8)
+  group.add_argument("--topic-stay-prob", default=0.8)
+  group.add_argument("--repeat-prob", default=None, help="None: 0, as measured on ML-1M")
   return parser
 
 
@@ -280,8 +299,16 @@ def source_options(args: argparse.Namespace) -> dict:
   if args.dataset == "synthetic":
     return {"num_users": args.num_users, "num_items": args.num_items,
             "interactions_per_user": args.interactions_per_user,
-            "zipf_exponent": args.zipf_exponent,
-            "transition_prob": args.transition_prob, "seed": args.seed}
+            "zipf_exponent": 1.0 if args.zipf_exponent is None else args.zipf_exponent,
+            "transition_prob": 0.5 if args.transition_prob is None else args.transition_prob,
+            "seed": args.seed}
+  if args.dataset == "synthetic_topics":
+    options = {"num_users": args.num_users, "num_items": args.num_items,
+               "num_topics": args.num_topics, "topics_per_user": args.topics_per_user,
+               "topic_stay_prob": args.topic_stay_prob, "seed": args.seed,
+               "zipf_exponent": args.zipf_exponent, "transition_prob": args.transition_prob,
+               "repeat_prob": args.repeat_prob}
+    return {name: value for name, value in options.items() if value is not None}
   sources.get_source(args.dataset)  # raises for unknown names
   return {}
 
