@@ -245,15 +245,21 @@ ALLOCATION_MARGIN = 1.02
 # several sub-tiles (`fori_loop`) the logits are materialized.
 BODY_TILES = {
     # kernel: (one sub-tile, a loop of sub-tiles)
-    "forward": (0.1, 1.25),  # the logits (+ the fused softplus chain)
-    "backward": (2.0, 2.0),  # logits and the scaled gradient in f32
+    "forward": (0.35, 1.25),  # the logits (+ the fused softplus chain)
+    "backward": (2.0, 2.1),  # logits and the scaled gradient in f32
     "ranks": (1.5, 2.5),  # logits, one target's comparison, its f32 count
 }
 # Further live temporaries of the body, measured rather than derived: the
 # backward's per-token [block_t, 1] f32 vectors (scale, row masks, sums: 8,
-# each padded to 128 lanes) and the rank kernel's [block_t, D] f32 rows (2).
+# each padded to 128 lanes), the rank kernel's [block_t, D] f32 rows (2 in one
+# sub-tile, 3 in a loop of them) and, in a loop, the bf16 table tile
+# transposed for the MXU (about half of it live; f32 keeps the whole). The
+# wide tiles of the time-model planner set the loop figures (v4, 128 x 2048:
+# 0.2 MiB more than without them at D = 64, about 1 MiB at D = 512) and the
+# forward's 0.35 (TPU7x, f32, 512 x 2048 in one sub-tile: 0.32).
 BODY_TOKEN_VECTORS = 8
-BODY_ROWS = 2
+BODY_ROWS = (2, 3)
+BF16_TRANSPOSED = 0.5
 
 
 def vmem_estimate(
@@ -310,11 +316,12 @@ def vmem_estimate(
   if kernel == "backward":
     total += BODY_TOKEN_VECTORS * buffer_bytes(bt, 1, 4)  # [block_t, 1] f32 vectors
   elif kernel == "ranks":
-    total += BODY_ROWS * buffer_bytes(bt, d, 4)  # [block_t, D] f32 rows
-  if s == 4 and looped:
-    # f32 logits h . e^T in a loop of sub-tiles: the table tile, transposed
-    # for the MXU, is hoisted out of the loop as a [D, block_v] f32 copy.
-    total += buffer_bytes(d, bv, 4)
+    total += BODY_ROWS[looped] * buffer_bytes(bt, d, 4)  # [block_t, D] f32 rows
+  if looped:
+    # Logits h . e^T in a loop of sub-tiles: the table tile, transposed for
+    # the MXU, is hoisted out of the loop ([D, block_v] f32 whole; in bf16
+    # about half of it live).
+    total += buffer_bytes(d, bv, 4) if s == 4 else int(BF16_TRANSPOSED * buffer_bytes(d, bv, s))
   total += extra_logit_tiles * logit_tile  # variants' elementwise temporaries
   total += 2 * buffer_bytes(bv, d, s)  # table tile [block_v, D], x2 buffers
   total += 2 * buffer_bytes(1, bv, 4)  # bias tile [1, block_v] f32, x2 buffers
@@ -400,10 +407,13 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
   The token side is walked in chunks of `token_chunk` rows held in VMEM for a
   whole sweep of the vocabulary (the table is read once per chunk), and each
   chunk in logit tiles of `[block_t, block_v]`. The planner prefers, in order:
-  the fewest token chunks (HBM traffic on the table), then the largest logit
-  tile up to `MAX_LOGIT_TILE_BYTES`, then the widest `block_v` (fewer grid
-  steps). Every candidate's VMEM is `vmem_estimate` of the heaviest kernel.
-  The chunks are then balanced (`balanced_chunk`): as many, of equal size.
+  the least time by `plan_seconds` (table sweeps, one per chunk, against grid
+  steps, one per vocab tile per chunk, and the matmuls' padding); among
+  plans within `PLAN_SECONDS_TIE` of the fastest, the fewest grid steps, then
+  the fewest chunks, the largest logit tile (up to `MAX_LOGIT_TILE_BYTES`)
+  and the widest `block_v`. Every candidate's VMEM is `vmem_estimate` of the heaviest
+  kernel, each at its largest chunk that fits; the chunks are then balanced
+  (`balanced_chunk`): as many, of equal size.
   On a megacore chip (v4, v5p) a chunk holds at most 1/2 of the token tiles,
   so both TensorCores get a chunk (`MEGACORE_TENSOR_CORES`).
 
@@ -449,7 +459,7 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
   mxu = spec.mxu_column_size
   tokens_padded = _round_up(num_tokens, mxu)
   vocab_padded = _round_up(vocab, mxu)
-  best, best_key = None, None
+  candidates = []  # (seconds, chunks, plan) of each tile shape at its largest chunk
   for block_t in sorted({min(bt, tokens_padded) for bt in BLOCK_T_CHOICES if bt % mxu == 0}):
     for block_v in sorted({min(bv, vocab_padded) for bv in BLOCK_V_CHOICES if bv % mxu == 0}):
       if 4 * block_t * block_v > MAX_LOGIT_TILE_BYTES:
@@ -459,13 +469,21 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
       if chunk is None:
         continue
       chunks = -(-num_tokens // chunk)
-      key = (chunks < cores, chunks, -block_t * block_v, -block_v)
-      if best_key is None or key < best_key:
-        best_key = key
-        best = TilePlan(block_v=block_v, block_t=block_t,
-                        token_chunk=balanced_chunk(num_tokens, chunk, block_t),
-                        vmem_limit_bytes=budget)
-  if best is None:
+      plan = TilePlan(block_v=block_v, block_t=block_t,
+                      token_chunk=balanced_chunk(num_tokens, chunk, block_t),
+                      vmem_limit_bytes=budget)
+      candidates.append((plan_seconds(plan, num_tokens, vocab, dim, itemsize, spec, kernels),
+                         chunks, plan))
+  if candidates:
+    # A megacore chip's plans that give each core a chunk first, then: within
+    # `PLAN_SECONDS_TIE` of the fastest by the model, the fewest grid steps
+    # (chunks x vocab tiles), the fewest chunks, the largest tile, the widest.
+    candidates = [c for c in candidates if c[1] >= cores] or candidates
+    fastest = min(seconds for seconds, _, _ in candidates)
+    best = min((c for c in candidates if c[0] <= fastest * (1 + PLAN_SECONDS_TIE)),
+               key=lambda c: (c[1] * -(-vocab // c[2].block_v), c[1],
+                              -c[2].block_t * c[2].block_v, -c[2].block_v))[2]
+  else:
     smallest = plan_vmem_bytes(
         TilePlan(block_v=mxu, block_t=mxu, token_chunk=mxu), dim, itemsize, **sizing
     )
@@ -476,6 +494,47 @@ def plan_tiles(num_tokens: int, vocab: int, dim: int, dtype, *, chip: str | None
         f"({VMEM_BUDGET_FRACTION:.0%} of {spec.vmem_capacity_bytes / MIB:.0f} MiB)"
     )
   return best
+
+
+# What the planner's time model charges a Pallas TPU grid step beside its work
+# (the Pallas TPU pipelining guide's figure), the matmuls each kernel makes
+# per logit tile, and how much slower float32 operands go through the MXU
+# (several bfloat16 passes).
+GRID_STEP_SECONDS = 0.35e-6
+KERNEL_MATMULS = {"forward": 1, "backward": 3, "ranks": 1}
+F32_MATMUL_SLOWDOWN = 3
+# Plans within this fraction of the fastest by the model count as equal (it
+# is a ranking, not a measurement): the fewest grid steps, then chunks, win.
+PLAN_SECONDS_TIE = 0.03
+
+
+def plan_seconds(plan: TilePlan, num_tokens: int, vocab: int, dim: int, itemsize: int,
+                 spec: ChipSpec, kernels=KERNELS) -> float:
+  """The planner's time model of `kernels` under `plan`: a ranking, not a prediction.
+
+  Per kernel, the longer of its matmuls (over the padded tiles, at the chip's
+  bf16 rate, `F32_MATMUL_SLOWDOWN` times slower in f32) and its HBM traffic
+  (the table read once per token chunk, the backward's f32 table gradient
+  read and written once per chunk, the hidden states once), plus
+  `GRID_STEP_SECONDS` per grid step (token chunks x vocab tiles). Fewer
+  chunks save table sweeps; wider tiles save grid steps: the model weighs
+  the two (a TPU7x backward at T = 16,384, V = 10M, D = 64: 256 x 4096 in 2
+  chunks, 56 ms by the model, not 256 x 256 in 1, whose 39,063 grid steps
+  cost 13.7 ms where a sweep costs 1.7 ms).
+  """
+  chunk = min(plan.token_chunk, num_tokens)
+  chunks = -(-num_tokens // chunk)
+  vocab_tiles = -(-vocab // plan.block_v)
+  tokens_padded = chunks * _round_up(chunk, plan.block_t)
+  rate = spec.bf16_ops_per_second / (F32_MATMUL_SLOWDOWN if itemsize == 4 else 1)
+  seconds = 0.0
+  for kernel in kernels:
+    flops = 2 * KERNEL_MATMULS[kernel] * tokens_padded * vocab_tiles * plan.block_v * dim
+    table_bytes = vocab * dim * (itemsize + (8 if kernel == "backward" else 0))
+    traffic = chunks * table_bytes + num_tokens * dim * itemsize
+    seconds += max(flops / rate, traffic / spec.mem_bw_bytes_per_second)
+    seconds += chunks * vocab_tiles * GRID_STEP_SECONDS
+  return seconds
 
 
 def balanced_chunk(num_tokens: int, chunk: int, block_t: int) -> int:
