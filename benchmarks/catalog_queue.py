@@ -13,11 +13,27 @@ started again, so the queue can span sessions.
     python benchmarks/catalog_queue.py --list             # the queue and what is done
     python benchmarks/catalog_queue.py                    # run what is left, in order
     python benchmarks/catalog_queue.py --only exact_bce   # one entry
+    python benchmarks/catalog_queue.py --cost             # each loss's step: memory, time
+    python benchmarks/catalog_queue.py --table            # the results side by side
+
+`--cost` compiles each entry's train step as its run does (the trainer's
+step on the host's 8 simulated devices, random ids of the config's shapes)
+and records the compiled program's per-device memory (`memory_analysis()`:
+temporaries, and the peak: arguments + outputs - donated + temporaries),
+then times the steps interleaved on one shared train state (a warm-up
+round, then --repeats rounds of one step each) so every loss sees the same
+machine load; the runs' own wall times do not (other jobs shared the cores
+with some of them). The popularity sampler's entry needs the item-count
+table the trainer builds from the data and is left out of `--cost` (its
+step is the uniform one's plus a gather from a [V] table). Writes
+`docs/results/catalog/synthetic_100k/cost.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import pathlib
 import shlex
 import subprocess
@@ -47,13 +63,95 @@ def command(name: str) -> list[str]:
           "--workdir", f"{RUNS}/{name}", "--out", f"{RESULTS}/{name}.json"]
 
 
+NUM_ITEMS = 100_000  # the catalog of CONFIG's synthetic_topics data
+GIB = 2**30
+
+
+def cost(names: list[str], repeats: int) -> dict:
+  """Each entry's compiled per-device memory and step time, timed interleaved."""
+  device_flag = "--xla_force_host_platform_device_count=8"
+  if device_flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {device_flag}".strip()
+  sys.path.insert(0, str(ROOT))
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from benchmarks import loss_cost, ml1m_quality, train_bench  # pylint: disable=import-outside-toplevel
+  from trainer import train as train_lib  # pylint: disable=import-outside-toplevel
+
+  steps, out = {}, {"config": CONFIG, "num_items": NUM_ITEMS, "losses": {}}
+  for name in names:
+    config = ml1m_quality.load_config(CONFIG, QUEUE[name])
+    step = train_bench.Step(config, NUM_ITEMS)
+    settings = train_lib.step_settings(config, mesh=step.mesh, num_items=NUM_ITEMS)
+    if train_lib.needs_item_counts(settings):
+      out["losses"][name] = {"not_measured": "needs the data's item-count table"}
+      continue
+    memory = step.compile()
+    out["losses"][name] = {"overrides": QUEUE[name], "memory": memory}
+    steps[name] = step
+    print(f"{name:<32} temp {memory['temp_bytes_per_device'] / GIB:7.3f} GiB/device, peak "
+          f"{memory['peak_bytes_per_device'] / GIB:7.3f} GiB/device", flush=True)
+  loss_cost._same_state(list(steps.values()))  # pylint: disable=protected-access
+  first = next(iter(steps.values()))
+  first.init()
+  state, first.state = first.state, None
+  batch = train_bench.random_batch(first, 0)
+  times = {name: [] for name in steps}
+  for round_index in range(repeats + 1):  # round 0 warms up
+    for name, step in steps.items():
+      step.state = state
+      seconds = step.run(batch)
+      state, step.state = step.state, None
+      if round_index:
+        times[name].append(seconds)
+  for name, t in times.items():
+    out["losses"][name].update(step_s=[round(x, 4) for x in t],
+                               median_step_s=round(float(np.median(t)), 4))
+    print(f"{name:<32} median step {np.median(t):.3f} s over {len(t)} interleaved rounds",
+          flush=True)
+  return out
+
+
+def table() -> str:
+  """The finished runs beside each other (markdown): quality at equal steps, cost."""
+  cost_path = ROOT / RESULTS / "cost.json"
+  costs = json.loads(cost_path.read_text())["losses"] if cost_path.exists() else {}
+  lines = ["| loss | test NDCG@10 | HR@10 | steps | step s (interleaved) | "
+           "temp GiB / device | peak GiB / device |", "|---|---|---|---|---|---|---|"]
+  for name in QUEUE:
+    path = ROOT / RESULTS / f"{name}.json"
+    if not path.exists():
+      continue
+    run = json.loads(path.read_text())
+    c = costs.get(name, {})
+    memory = c.get("memory", {})
+    gib = lambda key: (f"{memory[key] / GIB:.3f}" if key in memory else "-")  # noqa: E731
+    step_s = f"{c['median_step_s']:.3f}" if "median_step_s" in c else "-"
+    lines.append(f"| {name} | {run['ndcg@10']:.4f} | {run['hr@10']:.4f} | {run['step']} | "
+                 f"{step_s} | {gib('temp_bytes_per_device')} | {gib('peak_bytes_per_device')} |")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--list", action="store_true", help="print the queue and stop")
   parser.add_argument("--only", choices=sorted(QUEUE), action="append",
                       help="run only these entries (repeatable)")
+  parser.add_argument("--cost", action="store_true",
+                      help="compile and time each entry's step (no training)")
+  parser.add_argument("--repeats", type=int, default=5, help="--cost: timed rounds")
+  parser.add_argument("--table", action="store_true", help="print the results and stop")
   args = parser.parse_args(argv)
   names = args.only or list(QUEUE)
+  if args.table:
+    print(table())
+    return 0
+  if args.cost:
+    result = cost(names, args.repeats)
+    path = ROOT / RESULTS / "cost.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
+    return 0
   for name in names:
     done = (ROOT / RESULTS / f"{name}.json").exists()
     if args.list:
