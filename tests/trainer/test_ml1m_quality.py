@@ -64,3 +64,33 @@ def test_the_popularity_baseline_counts_ties_against_the_target(monkeypatch):
   metrics = script.popularity_baseline("unused", ks=(1, 10))
   assert metrics["test"]["hit@1"] == 0.0 and metrics["test"]["hit@10"] == 1.0
   assert abs(metrics["test"]["mrr"] - 0.5) < 1e-6
+
+
+def _queue():
+  spec = importlib.util.spec_from_file_location(
+      "catalog_queue", os.path.join(ROOT, "benchmarks", "catalog_queue.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_catalog_queue_differs_in_the_loss_and_the_steps_alone(tmp_path, monkeypatch):
+  """Every entry is configs/synthetic_100k.py with loss overrides (and, for the
+  equal-wall-time twins, train_steps); the table reads the runs and the cost file."""
+  queue = _queue()
+  for name, overrides in queue.QUEUE.items():
+    assert all(o.startswith("loss.") or (name.endswith("_wall") and o == "train_steps=2500")
+               for o in overrides), (name, overrides)
+    line = queue.command(name)
+    assert line[line.index("--config") + 1] == queue.CONFIG and line[-1].endswith(f"/{name}.json")
+  assert queue.QUEUE["gbce_k256_wall"][:-1] == queue.QUEUE["gbce_k256"]
+  results = tmp_path / "results"
+  results.mkdir()
+  (results / "exact_bce.json").write_text(json.dumps({"ndcg@10": 0.12345, "hr@10": 0.2, "step": 500}))
+  (results / "cost.json").write_text(json.dumps({"losses": {"exact_bce": {
+      "median_step_s": 1.5, "memory": {"temp_bytes_per_device": 2**30,
+                                       "peak_bytes_per_device": 2**31}}}}))
+  monkeypatch.setattr(queue, "ROOT", tmp_path)
+  monkeypatch.setattr(queue, "RESULTS", "results")
+  rows = queue.table().splitlines()
+  assert rows[2] == "| exact_bce | 0.1235 | 0.2000 | 500 | 1.500 | 1.000 | 2.000 |" and len(rows) == 3
