@@ -79,7 +79,8 @@ def test_the_catalog_queue_differs_in_the_loss_and_the_steps_alone(tmp_path, mon
   equal-wall-time twins, train_steps); the table reads the runs and the cost file."""
   queue = _queue()
   for name, overrides in queue.QUEUE.items():
-    assert all(o.startswith("loss.") or (name.endswith("_wall") and o == "train_steps=2500")
+    assert all(o.startswith("loss.") or (name.endswith(("_wall", "_2500"))
+                                         and o == "train_steps=2500")
                for o in overrides), (name, overrides)
     line = queue.command(name)
     assert line[line.index("--config") + 1] == queue.CONFIG and line[-1].endswith(f"/{name}.json")
