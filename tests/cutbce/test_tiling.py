@@ -154,3 +154,22 @@ def test_token_chunks_are_balanced(chip):
   assert tiling.balanced_chunk(65_536, 34_560, 256) == 32_768
   assert tiling.balanced_chunk(1000, 1024, 256) == 1024
   assert tiling.balanced_chunk(5000, 2048, 256) == 1792  # 3 chunks of 1,792, not 2,048 + 2,048 + 904
+
+
+def test_the_time_model_weighs_grid_steps_against_table_sweeps():
+  """TPU7x backward, T = 16,384, V = 10M, D = 64, bf16: one chunk needs 256 x 256 tiles
+  (39,063 grid steps); the model prefers wider tiles in two chunks, and the planner
+  takes them (the fewest-chunk rule took the first)."""
+  spec, args = tiling.chip_spec("7x"), (16_384, 10_000_019, 64, 2)
+  one_chunk = tiling.TilePlan(block_t=256, block_v=256, token_chunk=16_384)
+  seconds = lambda p: tiling.plan_seconds(p, *args, spec, ("backward",))  # noqa: E731
+  plan = tiling.plan_tiles(16_384, 10_000_019, 64, "bfloat16", chip="7x", kernel="backward",
+                           num_targets=8)
+  assert (plan.block_t, plan.block_v, plan.token_chunk) == (256, 4096, 8192)
+  assert seconds(plan) < seconds(one_chunk) / 1.15
+  # In one chunk, wider tiles save GRID_STEP_SECONDS a grid step (less a little
+  # padding of the last vocab tile: the matmuls bound this kernel).
+  step = tiling.GRID_STEP_SECONDS
+  wider = tiling.TilePlan(block_t=256, block_v=512, token_chunk=16_384)
+  assert seconds(one_chunk) - seconds(wider) == pytest.approx(
+      (-(-10_000_019 // 256) - -(-10_000_019 // 512)) * step, rel=1e-3)
