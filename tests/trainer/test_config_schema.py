@@ -513,7 +513,7 @@ def test_trainer_data_stops_with_one_line_and_status_2(tmp_path):
                  "--transition-prob", "1.5"], tmp_path)
   assert result.returncode == 2
   assert result.stderr.splitlines() == [
-      "bad config: --transition-prob=1.5: a finite number in [0, 1]"]
+      "bad config: --transition-prob=1.5: None or a finite number in [0, 1]"]
 
 
 def test_schema_docstring_example_runs():
