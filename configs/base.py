@@ -46,9 +46,15 @@ def get_config() -> ml_collections.ConfigDict:
   # A learned logit bias per item (initialised at -log V), used by the loss,
   # the ranking, recommend and export.
   config.model.item_bias = False
+  # The block ("pre_ln", or "sasrec": the original SASRec block), how positions
+  # are counted ("window" slots, or "from_first" item), and the initializers
+  # (None: flax's; a number: normal(init_std) as SASRec+ does, 0.02).
+  config.model.block = "pre_ln"
+  config.model.positions = "window"
+  config.model.init_std = ml_collections.config_dict.placeholder(float)
 
   # AdamW with linear warm-up, then constant or cosine decay to 0; gradient
-  # clipping by global norm; weight decay on matrices only (not the item or
+  # clipping by global norm (None: none); weight decay on matrices only (not the item or
   # position tables, not biases or LayerNorm).
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.learning_rate = 1e-3

@@ -1,15 +1,28 @@
-"""SASRec in Flax NNX: a causal pre-LayerNorm transformer over item sequences.
+"""SASRec in Flax NNX: a causal transformer over item sequences.
 
 The item embedding table `[V, D]` is both the input embedding and the output
 table that `cutbce` scores hidden states against, so the model returns hidden
-states `[B, N, D]`, never logits. Positions are learned. Every block is
+states `[B, N, D]`, never logits. Positions are learned. Every block is, with
+`block="pre_ln"` (the default, a pre-LayerNorm transformer with GELU),
 
     x = x + Dropout(SelfAttention(LayerNorm(x)), causal, padding keys masked)
     x = x + Dropout(FeedForward(LayerNorm(x)))
 
-followed by a final LayerNorm. Input ids outside [0, V) are padding (the data
-pipeline pads with V): their embedding is zero and no other position attends
-to them.
+or, with `block="sasrec"`, the block of the original SASRec code that
+SASRec+ trains (Kang & McAuley's TensorFlow code as ported to PyTorch, read
+to learn, not copied): only the queries are normalized, the keys and values
+read the stream as it is, and each residual starts from the normalized
+stream; the feed-forward is ReLU with dropout inside; LayerNorm eps 1e-8:
+
+    q = LayerNorm(x);  x = q + SelfAttention(q, x, x)
+    y = LayerNorm(x);  x = y + Dropout(Linear(ReLU(Dropout(Linear(y)))))
+
+Both end with a final LayerNorm. Input ids outside [0, V) are padding (the
+data pipeline pads on the left with V): their embedding is zero and no other
+position attends to them. Position embeddings are indexed by the slot in the
+window (`positions="window"`: the newest item is always slot N - 1) or from
+the window's first item (`positions="from_first"`: 0, 1, ... as in
+implementations that pad on the right).
 
 Parameters are float32; `dtype` sets the compute dtype (float32 or bfloat16)
 of activations and of the returned hidden states. Dropout takes its key from
@@ -45,33 +58,78 @@ def padded_vocab_size(num_items: int, vocab_shards: int) -> int:
   return -(-num_items // vocab_shards) * vocab_shards
 
 
+BLOCKS = ("pre_ln", "sasrec")
+POSITIONS = ("window", "from_first")
+
+
+def _initializers(init_std: float | None) -> dict:
+  """Linear kernel and bias initializers: flax's defaults, or normal(init_std) and zeros."""
+  if init_std is None:
+    return {}
+  return {"kernel_init": nnx.initializers.normal(stddev=init_std),
+          "bias_init": nnx.initializers.zeros}
+
+
+def _attention_initializers(init_std: float | None) -> dict:
+  """Attention projections: flax's defaults, or those of PyTorch's MultiheadAttention.
+
+  There the stacked `[3D, D]` query, key and value projection is Xavier
+  uniform (variance 2 / (D + 3D) = 1 / (2D)) and only the output projection
+  is an `nn.Linear` that SASRec+ re-initializes normal(init_std); biases 0.
+  """
+  if init_std is None:
+    return {}
+  return {"kernel_init": nnx.initializers.variance_scaling(0.5, "fan_in", "uniform"),
+          "out_kernel_init": nnx.initializers.normal(stddev=init_std),
+          "bias_init": nnx.initializers.zeros}
+
+
 class FeedForward(nnx.Module):
-  """Position-wise `D -> hidden_dim -> D` with GELU."""
+  """Position-wise `D -> hidden_dim -> D`: GELU, or ReLU with dropout on its input."""
 
-  def __init__(self, dim: int, hidden_dim: int, *, dtype, rngs: nnx.Rngs):
-    self.up = nnx.Linear(dim, hidden_dim, dtype=dtype, rngs=rngs)
-    self.down = nnx.Linear(hidden_dim, dim, dtype=dtype, rngs=rngs)
+  def __init__(self, dim: int, hidden_dim: int, *, activation: str = "gelu",
+               dropout_rate: float = 0.0, init_std: float | None = None, dtype,
+               rngs: nnx.Rngs):
+    self.up = nnx.Linear(dim, hidden_dim, dtype=dtype, rngs=rngs, **_initializers(init_std))
+    self.down = nnx.Linear(hidden_dim, dim, dtype=dtype, rngs=rngs, **_initializers(init_std))
+    self.activation = activation
+    self.dropout = nnx.Dropout(dropout_rate)
 
-  def __call__(self, x):  # [B, N, D] -> [B, N, D]
-    return self.down(jax.nn.gelu(self.up(x)))
+  def __call__(self, x, *, deterministic: bool = True, rngs=None):  # [B, N, D] -> [B, N, D]
+    y = self.up(x)
+    if self.activation == "gelu":
+      return self.down(jax.nn.gelu(y))
+    y = self.dropout(y, deterministic=deterministic, rngs=rngs)
+    return self.down(jax.nn.relu(y))
 
 
 class Block(nnx.Module):
-  """One causal pre-LayerNorm transformer block."""
+  """One causal transformer block, `kind` "pre_ln" or "sasrec" (the module docstring)."""
 
   def __init__(self, dim: int, num_heads: int, mlp_dim: int, dropout_rate: float, *,
-               dtype, rngs: nnx.Rngs):
-    self.attention_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+               kind: str = "pre_ln", init_std: float | None = None, dtype, rngs: nnx.Rngs):
+    self.kind = kind
+    epsilon = 1e-8 if kind == "sasrec" else 1e-6
+    self.attention_norm = nnx.LayerNorm(dim, epsilon=epsilon, dtype=dtype, rngs=rngs)
     self.attention = nnx.MultiHeadAttention(
         num_heads=num_heads, in_features=dim, dtype=dtype, dropout_rate=dropout_rate,
         broadcast_dropout=False, decode=False, keep_rngs=False, rngs=rngs,
+        **_attention_initializers(init_std),
     )
-    self.mlp_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
-    self.mlp = FeedForward(dim, mlp_dim, dtype=dtype, rngs=rngs)
+    self.mlp_norm = nnx.LayerNorm(dim, epsilon=epsilon, dtype=dtype, rngs=rngs)
+    self.mlp = FeedForward(dim, mlp_dim, activation="relu" if kind == "sasrec" else "gelu",
+                           dropout_rate=dropout_rate, init_std=init_std, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(dropout_rate)
 
   def __call__(self, x, mask, *, deterministic: bool, rngs):
     """x `[B, N, D]`; mask bool `[B, 1, N, N]` (query, key)."""
+    if self.kind == "sasrec":
+      query = self.attention_norm(x)
+      x = query + self.attention(query, x, x, mask=mask, deterministic=deterministic,
+                                 rngs=rngs)
+      y = self.mlp_norm(x)
+      z = self.mlp(y, deterministic=deterministic, rngs=rngs)
+      return y + self.dropout(z, deterministic=deterministic, rngs=rngs)
     y = self.attention(self.attention_norm(x), mask=mask, deterministic=deterministic,
                        rngs=rngs)
     x = x + self.dropout(y, deterministic=deterministic, rngs=rngs)
@@ -104,6 +162,12 @@ class SASRec(nnx.Module):
       `padded_vocab_size(num_items, vocab_shards)` rows.
     item_bias: also learn a logit bias per item (`ItemBias`, initialised at
       -log V), passed to the loss, the ranking and top-k as `bias`.
+    block: "pre_ln" or "sasrec" (the module docstring).
+    positions: "window" or "from_first" (the module docstring).
+    init_std: None: embeddings normal(D^-1/2), linear layers flax's defaults;
+      a number: embeddings, feed-forward and attention output kernels
+      normal(init_std), biases 0, the query / key / value projections as
+      PyTorch's MultiheadAttention makes them (0.02 in SASRec+).
     dtype: compute dtype (jnp.float32 or jnp.bfloat16); parameters stay float32.
     rngs: parameter initialisation keys (`nnx.Rngs(params=...)`).
   """
@@ -111,17 +175,24 @@ class SASRec(nnx.Module):
   def __init__(self, *, num_items: int, seq_len: int, dim: int, num_layers: int,
                num_heads: int, mlp_dim: int, dropout_rate: float = 0.0,
                vocab_shards: int = 1, dtype=jnp.float32, item_bias: bool = False,
-               rngs: nnx.Rngs):
+               block: str = "pre_ln", positions: str = "window",
+               init_std: float | None = None, rngs: nnx.Rngs):
     if num_items < 1 or seq_len < 1 or dim < 1 or num_layers < 0:
       raise ValueError(
           f"SASRec needs num_items, seq_len, dim >= 1 and num_layers >= 0, got "
           f"num_items={num_items}, seq_len={seq_len}, dim={dim}, num_layers={num_layers}")
     if dim % num_heads:
       raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
+    if block not in BLOCKS or positions not in POSITIONS:
+      raise ValueError(f"SASRec block={block!r} (one of {BLOCKS}), positions={positions!r} "
+                       f"(one of {POSITIONS})")
+    if init_std is not None and not init_std > 0:
+      raise ValueError(f"SASRec init_std={init_std}: None or a positive number")
     self.num_items = num_items
     self.dim = dim
     self.dtype = dtype
-    init = nnx.initializers.normal(stddev=dim ** -0.5)
+    self.positions = positions
+    init = nnx.initializers.normal(stddev=dim ** -0.5 if init_std is None else init_std)
     setattr(self, ITEM_EMBEDDING, nnx.Embed(
         padded_vocab_size(num_items, vocab_shards), dim, dtype=dtype,
         embedding_init=init, rngs=rngs))
@@ -129,10 +200,12 @@ class SASRec(nnx.Module):
                                         rngs=rngs)
     self.embedding_dropout = nnx.Dropout(dropout_rate)
     self.blocks = nnx.List([
-        Block(dim, num_heads, mlp_dim, dropout_rate, dtype=dtype, rngs=rngs)
+        Block(dim, num_heads, mlp_dim, dropout_rate, kind=block, init_std=init_std,
+              dtype=dtype, rngs=rngs)
         for _ in range(num_layers)
     ])
-    self.final_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+    self.final_norm = nnx.LayerNorm(dim, epsilon=1e-8 if block == "sasrec" else 1e-6,
+                                    dtype=dtype, rngs=rngs)
     if item_bias:
       self.item_bias = ItemBias(padded_vocab_size(num_items, vocab_shards),
                                 -math.log(num_items))
@@ -164,8 +237,11 @@ class SASRec(nnx.Module):
     ids = jnp.where(valid, inputs, 0)
     x = getattr(self, ITEM_EMBEDDING)(ids) * jnp.asarray(self.dim ** 0.5, self.dtype)
     x = x * valid[..., None].astype(self.dtype)
-    positions = jnp.arange(inputs.shape[-1])
-    x = x + self.position_embedding(positions)[None]
+    if self.positions == "from_first":  # 0 at the window's first item (padding: 0, unused)
+      positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)
+    else:
+      positions = jnp.arange(inputs.shape[-1])[None]
+    x = x + self.position_embedding(positions)
     x = self.embedding_dropout(x, deterministic=deterministic, rngs=rngs)
     causal = nnx.make_causal_mask(inputs, dtype=jnp.bool_)  # [B, 1, N, N]
     # Padding keys are masked, except that every query sees itself: no row of

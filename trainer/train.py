@@ -69,7 +69,9 @@ def make_model(model_config, *, num_items: int, seq_len: int, vocab_shards: int,
       num_layers=model_config.num_layers, num_heads=model_config.num_heads,
       mlp_dim=model_config.mlp_dim, dropout_rate=model_config.dropout_rate,
       vocab_shards=vocab_shards, dtype=jnp.dtype(model_config.dtype),
-      item_bias=bool(model_config.get("item_bias", False)), rngs=nnx.Rngs(params=seed),
+      item_bias=bool(model_config.get("item_bias", False)),
+      block=model_config.get("block", "pre_ln"), positions=model_config.get("positions", "window"),
+      init_std=model_config.get("init_std", None), rngs=nnx.Rngs(params=seed),
   )
 
 
@@ -87,7 +89,7 @@ def learning_rate_schedule(optimizer_config, train_steps: int) -> optax.Schedule
 
 
 def make_optimizer(optimizer_config, train_steps: int) -> optax.GradientTransformation:
-  """Clip by global norm, then AdamW; weight decay on matrices but not the embeddings."""
+  """Clip by global norm (unless None), then AdamW; weight decay on matrices, not embeddings."""
 
   def decay_mask(params):
     return jax.tree_util.tree_map_with_path(
@@ -95,8 +97,9 @@ def make_optimizer(optimizer_config, train_steps: int) -> optax.GradientTransfor
             "embedding" in str(getattr(k, "key", "")) for k in path),
         params)
 
+  clip = optimizer_config.get("clip_norm", None)
   return optax.chain(
-      optax.clip_by_global_norm(optimizer_config.clip_norm),
+      optax.identity() if clip is None else optax.clip_by_global_norm(clip),
       optax.adamw(learning_rate_schedule(optimizer_config, train_steps),
                   b1=optimizer_config.b1, b2=optimizer_config.b2,
                   weight_decay=optimizer_config.weight_decay, mask=decay_mask),

@@ -301,7 +301,7 @@ def test_the_six_cases_of_the_issue():
       "config.model.dim=7: a multiple of config.model.num_heads=2": {"model.dim": 7},
       "config.eval.ks=(0,): a non-empty, strictly increasing": {"eval.ks": (0,)},
       "config.model.dropout_rate=1.5: a finite number in [0, 1)": {"model.dropout_rate": 1.5},
-      "config.optimizer.clip_norm=-1.0: a finite number > 0": {"optimizer.clip_norm": -1.0},
+      "config.optimizer.clip_norm=-1.0: None or a finite number > 0": {"optimizer.clip_norm": -1.0},
       "config.data.min_item_count=-1: None or an integer >= 0": {"data.min_item_count": -1},
       "config.optimizer.learning_rate=nan: a finite number > 0": {
           "optimizer.learning_rate": math.nan},
@@ -496,7 +496,7 @@ def _run(args, tmp_path):
      "bad config: config.model.dim=7: a multiple of config.model.num_heads=2"),
     (["--config.model.hidden=3"], "bad config: config.model.hidden='3': unknown key; "
      "config.model holds dim, num_layers, num_heads, mlp_dim, dropout_rate, dtype, "
-     "item_bias"),
+     "item_bias, block, positions, init_std"),
     (["--config.model.dropout_rate=abc"],
      "bad config: config.model.dropout_rate='abc': a finite number in [0, 1)"),
 ])

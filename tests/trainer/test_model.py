@@ -63,3 +63,119 @@ def test_bad_shape_raises():
   with pytest.raises(ValueError, match="num_heads"):
     model_lib.SASRec(num_items=5, seq_len=4, dim=10, num_layers=1, num_heads=3, mlp_dim=8,
                      rngs=nnx.Rngs(0))
+
+
+# --------------------------------------------------------------------------- #
+# The blocks, positions and initializers (issue 39: the SASRec+ replica).      #
+# --------------------------------------------------------------------------- #
+
+
+def _layer_norm(x, p, eps):
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) / np.sqrt(var + eps) * p["scale"] + p["bias"]
+
+
+def _attention(q_in, kv_in, p, mask):
+  """PyTorch / flax multi-head attention written out: [N, D] queries, keys and values."""
+  project = lambda x, w: np.einsum("nd,dhk->nhk", x, w["kernel"]) + w["bias"]
+  q, k, v = project(q_in, p["query"]), project(kv_in, p["key"]), project(kv_in, p["value"])
+  scores = np.einsum("qhk,shk->hqs", q, k) / np.sqrt(q.shape[-1])
+  scores = np.where(mask[None], scores, -np.inf)
+  weights = np.exp(scores - scores.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  out = np.einsum("hqs,shk->qhk", weights, v)
+  return np.einsum("qhk,hkd->qd", out, p["out"]["kernel"]) + p["out"]["bias"]
+
+
+def _reference(model, params, ids, block, positions):
+  """The model's forward (no dropout) in float64 numpy, from the formulas of trainer/model.py."""
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  num_items, dim = model.num_items, model.dim
+  eps = 1e-8 if block == "sasrec" else 1e-6
+  outputs = []
+  for row in np.asarray(ids):
+    valid = (row >= 0) & (row < num_items)
+    x = p["item_embedding"]["embedding"][np.where(valid, row, 0)] * np.sqrt(dim)
+    x = x * valid[:, None]
+    pos = (np.maximum(np.cumsum(valid) - 1, 0) if positions == "from_first"
+           else np.arange(len(row)))
+    x = x + p["position_embedding"]["embedding"][pos]
+    n = len(row)
+    mask = np.tril(np.ones((n, n), bool)) & (valid[None, :] | np.eye(n, dtype=bool))
+    for b in p["blocks"].values():
+      if block == "sasrec":
+        q = _layer_norm(x, b["attention_norm"], eps)
+        x = q + _attention(q, x, b["attention"], mask)
+        y = _layer_norm(x, b["mlp_norm"], eps)
+        hidden = np.maximum(y @ b["mlp"]["up"]["kernel"] + b["mlp"]["up"]["bias"], 0)
+        x = y + hidden @ b["mlp"]["down"]["kernel"] + b["mlp"]["down"]["bias"]
+      else:
+        y = _layer_norm(x, b["attention_norm"], eps)
+        x = x + _attention(y, y, b["attention"], mask)
+        y = _layer_norm(x, b["mlp_norm"], eps)
+        hidden = y @ b["mlp"]["up"]["kernel"] + b["mlp"]["up"]["bias"]
+        hidden = np.asarray(jax.nn.gelu(hidden))
+        x = x + hidden @ b["mlp"]["down"]["kernel"] + b["mlp"]["down"]["bias"]
+    outputs.append(_layer_norm(x, p["final_norm"], eps))
+  return np.stack(outputs)
+
+
+def make_variant(block="pre_ln", positions="window", init_std=None, seq_len=6):
+  return model_lib.SASRec(
+      num_items=37, seq_len=seq_len, dim=16, num_layers=2, num_heads=2, mlp_dim=24,
+      block=block, positions=positions, init_std=init_std, rngs=nnx.Rngs(3))
+
+
+@pytest.mark.parametrize("block", model_lib.BLOCKS)
+@pytest.mark.parametrize("positions", model_lib.POSITIONS)
+def test_each_block_is_the_formula_written_out(block, positions):
+  # float64 numpy from the module docstring's formulas, on the model's own
+  # (randomized) parameters: padding on the left, a padded id inside the
+  # window and the last id of the catalog.
+  model = make_variant(block, positions, init_std=0.3)
+  graphdef, state = nnx.split(model)
+  params = nnx.to_pure_dict(state)
+  params = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(a.size), a.shape),
+                        params)
+  nnx.update(model, params)
+  ids = jnp.array([[-1, -1, 3, 4, 5, 36], [1, 37, 3, 4, 5, 6]])
+  with jax.default_matmul_precision("float32"):
+    got = np.asarray(model(ids))
+  want = _reference(model, params, ids, block, positions)
+  valid = np.asarray((ids >= 0) & (ids < 37))
+  np.testing.assert_allclose(got[valid], want[valid], rtol=2e-4, atol=2e-4)
+
+
+def test_positions_from_first_do_not_depend_on_the_padding():
+  # "from_first" counts positions from the window's first item, so a history
+  # gives the same hidden states however much padding precedes it; "window"
+  # (slots) does not.
+  for positions, same in (("from_first", True), ("window", False)):
+    model = make_variant("sasrec", positions)
+    padded = model(jnp.array([[-1, -1, -1, 3, 4, 5]]))[:, 3:]
+    alone = model(jnp.array([[3, 4, 5]]))
+    assert np.allclose(padded, alone, atol=1e-5) == same, positions
+
+
+def test_init_std_sets_the_initializers_as_sasrec_plus_does():
+  params = nnx.to_pure_dict(nnx.state(make_variant("sasrec", init_std=0.02, seq_len=512)))
+  block = params["blocks"][0]
+  for table in (params["item_embedding"]["embedding"], params["position_embedding"]["embedding"],
+                block["mlp"]["up"]["kernel"], block["attention"]["out"]["kernel"]):
+    assert abs(float(np.std(table)) - 0.02) < 0.004
+  # PyTorch's MultiheadAttention: Xavier uniform over the stacked [3D, D] projection.
+  query = np.asarray(block["attention"]["query"]["kernel"])
+  assert abs(float(np.std(query)) - (1 / (2 * 16)) ** 0.5) < 0.03
+  assert np.abs(query).max() <= (3 / (2 * 16)) ** 0.5 + 1e-6
+  assert not np.any(np.asarray(block["mlp"]["up"]["bias"]))
+  # Without init_std the embeddings keep normal(D^-1/2).
+  default = nnx.to_pure_dict(nnx.state(make_variant(seq_len=512)))
+  assert abs(float(np.std(default["position_embedding"]["embedding"])) - 0.25) < 0.03
+
+
+def test_bad_block_positions_or_init_std_raise():
+  for kwargs, said in (({"block": "post_ln"}, "block"), ({"positions": "end"}, "positions"),
+                       ({"init_std": 0.0}, "init_std")):
+    with pytest.raises(ValueError, match=said):
+      make_variant(**kwargs)

@@ -227,3 +227,36 @@ def test_each_process_prepares_its_copy_or_reads_process_0s(smoke_config, tmp_pa
   with pytest.raises(FileNotFoundError, match=r"^process 1: no prepared data in .*elsewhere, "
                      r"where process 0 prepared it: .*prepare_per_host=True"):
     loop.prepare_data(smoke_config, str(tmp_path / "run"))
+
+
+def test_clip_norm_none_is_plain_adam():
+  # A huge first gradient, then a small one: clipping scales the first down
+  # and changes the second update; clip_norm=None leaves AdamW alone.
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  from configs import base  # pylint: disable=import-outside-toplevel
+  params = {"w": np.zeros(3, np.float32)}
+  grads = [{"w": np.array([300.0, -400.0, 0.0], np.float32)},
+           {"w": np.array([0.1, 0.2, -0.3], np.float32)}]
+
+  def updates(optimizer_config):
+    tx = train_lib.make_optimizer(optimizer_config, 10)
+    state, out = tx.init(params), []
+    for g in grads:
+      u, state = tx.update(g, state, params)
+      out.append(np.asarray(u["w"]))
+    return out
+
+  config = base.get_config().optimizer
+  config.warmup_steps, config.schedule = 0, "constant"
+  unclipped = ml_collections.ConfigDict(config.to_dict())
+  unclipped.clip_norm = None
+  plain = optax.adamw(train_lib.learning_rate_schedule(config, 10), b1=config.b1, b2=config.b2,
+                      weight_decay=config.weight_decay)
+  state, want = plain.init(params), []
+  for g in grads:
+    u, state = plain.update(g, state, params)
+    want.append(np.asarray(u["w"]))
+  for got, expected in zip(updates(unclipped), want):
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+  assert not np.allclose(updates(config)[1], want[1], rtol=1e-3)

@@ -84,6 +84,15 @@ KEYS: tuple[schema.Key, ...] = (
     key("model.dropout_rate", FLOAT, fraction(), "dropout probability (attention, blocks)"),
     key("model.dtype", STR, one_of("float32", "bfloat16"), "compute dtype (params are float32)"),
     key("model.item_bias", BOOL, None, "a learned logit bias per item (init -log V)"),
+    key("model.block", STR, one_of("pre_ln", "sasrec"), "transformer block: 'pre_ln' "
+        "(pre-LayerNorm, GELU) or 'sasrec' (the original SASRec block that SASRec+ trains: "
+        "LayerNorm on the queries only, ReLU; trainer/model.py)"),
+    key("model.positions", STR, one_of("window", "from_first"), "position embeddings by "
+        "slot in the window ('window': the newest item is slot N - 1) or counted from the "
+        "window's first item ('from_first', as right-padded implementations do)"),
+    key("model.init_std", FLOAT, above(0), "None: flax's initializers (embeddings "
+        "normal(D^-1/2)); a number: embeddings and linear kernels normal(init_std), biases 0, "
+        "attention's input projections as PyTorch makes them (SASRec+: 0.02)", none_ok=True),
     key("optimizer.learning_rate", FLOAT, above(0), "peak learning rate of AdamW"),
     key("optimizer.warmup_steps", INT, at_least(0), "linear warm-up steps from 0"),
     key("optimizer.schedule", STR, one_of("constant", "cosine"), "after warm-up: constant, "
@@ -91,7 +100,8 @@ KEYS: tuple[schema.Key, ...] = (
     key("optimizer.b1", FLOAT, fraction(), "AdamW first-moment decay"),
     key("optimizer.b2", FLOAT, fraction(), "AdamW second-moment decay"),
     key("optimizer.weight_decay", FLOAT, at_least(0), "AdamW weight decay (matrices only)"),
-    key("optimizer.clip_norm", FLOAT, above(0), "gradients clipped to this global norm"),
+    key("optimizer.clip_norm", FLOAT, above(0), "gradients clipped to this global norm "
+        "(None: not clipped)", none_ok=True),
     key("data.dataset", STR, one_of(*sources.SOURCE_NAMES), "the `trainer.data` source"),
     key("data.prepared_dir", STR, None, "folder of the prepared data, local or gs://... "
         "(None: WORKDIR/data); `{process}` in it is replaced by the process index",

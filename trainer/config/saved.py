@@ -54,7 +54,8 @@ HARMLESS_SECTIONS = ("eval.", "checkpoint.", "profile.", "compile.")
 # run resumes (and is read by the commands) as it was.
 ADDED_KEYS = {"loss.target_reduction": "sum", "loss.num_negatives": 128,
               "loss.sampler": "uniform", "loss.negatives_per": "batch", "loss.logq": False,
-              "loss.gbce_t": 0.75}
+              "loss.gbce_t": 0.75, "model.block": "pre_ln", "model.positions": "window",
+              "model.init_std": None}
 _ABSENT = "(absent)"
 _SECTIONS = schema.sections_of(config_keys.KEYS)
 

@@ -1,0 +1,41 @@
+"""MovieLens-1M, SASRec+ as its published code builds and trains it (issue 39).
+
+`configs/ml1m_sasrec_plus.py` is the SASRec+ recipe on this trainer's own
+model; test NDCG@10 0.1752 +- 0.0017 over 3 seeds against the published
+0.1821. This config is the replica of what the published code
+(antklen/sasrec-bert4rec-recsys23, read to learn) does beyond the recipe,
+all at once:
+
+- the original SASRec block (`model.block="sasrec"`: LayerNorm on the
+  queries only, the residual from the normalized stream, ReLU feed-forward of
+  width D with dropout inside, LayerNorm eps 1e-8) instead of pre-LN + GELU
+  with a 4D feed-forward;
+- positions counted from the window's first item (`model.positions=
+  "from_first"`: the code pads on the right);
+- its initializers (`model.init_std=0.02`: embeddings, feed-forward and the
+  attention's output normal(0.02), the attention's input projections as
+  PyTorch's MultiheadAttention makes them, biases 0);
+- no gradient clipping (`optimizer.clip_norm=None`: plain Adam);
+- up to 100 epochs with the checkpoint of the best validation NDCG@10
+  (4,000 steps of 128 users, about 85 epochs, evaluated every 125 steps,
+  about 2.6 epochs; the code evaluates every epoch and stops 10 epochs after
+  its best).
+
+  python benchmarks/ml1m_quality.py train --config configs/ml1m_sasrec_plus_replica.py \\
+      --workdir runs/ml1m_replica --out docs/results/ml1m_quality/sasrec_plus_replica.json
+"""
+
+from configs import ml1m_sasrec_plus
+
+
+def get_config():
+  config = ml1m_sasrec_plus.get_config()
+  config.model.block = "sasrec"
+  config.model.positions = "from_first"
+  config.model.init_std = 0.02
+  config.model.mlp_dim = 64
+  config.optimizer.clip_norm = None
+  config.train_steps = 4_000
+  config.eval_every = 125
+  config.checkpoint_every = 125
+  return config
