@@ -47,11 +47,14 @@ def get_config() -> ml_collections.ConfigDict:
   # the ranking, recommend and export.
   config.model.item_bias = False
   # The block ("pre_ln", or "sasrec": the original SASRec block), how positions
-  # are counted ("window" slots, or "from_first" item), and the initializers
-  # (None: flax's; a number: normal(init_std) as SASRec+ does, 0.02).
+  # are counted ("window" slots, or "from_first" item), the initializers
+  # ("flax", "sasrec_plus" or "pytorch"), the input embeddings times sqrt(D),
+  # and the output table ("tied" to the input embedding, or "separate").
   config.model.block = "pre_ln"
   config.model.positions = "window"
-  config.model.init_std = ml_collections.config_dict.placeholder(float)
+  config.model.init = "flax"
+  config.model.scale_embeddings = True
+  config.model.output_table = "tied"
 
   # AdamW with linear warm-up, then constant or cosine decay to 0; gradient
   # clipping by global norm (None: none); weight decay on matrices only (not the item or

@@ -12,7 +12,7 @@ all at once:
   with a 4D feed-forward;
 - positions counted from the window's first item (`model.positions=
   "from_first"`: the code pads on the right);
-- its initializers (`model.init_std=0.02`: embeddings, feed-forward and the
+- its initializers (`model.init="sasrec_plus"`: embeddings, feed-forward and the
   attention's output normal(0.02), the attention's input projections as
   PyTorch's MultiheadAttention makes them, biases 0);
 - no gradient clipping (`optimizer.clip_norm=None`: plain Adam);
@@ -32,7 +32,7 @@ def get_config():
   config = ml1m_sasrec_plus.get_config()
   config.model.block = "sasrec"
   config.model.positions = "from_first"
-  config.model.init_std = 0.02
+  config.model.init = "sasrec_plus"
   config.model.mlp_dim = 64
   config.optimizer.clip_norm = None
   config.train_steps = 4_000

@@ -30,7 +30,7 @@ the `rngs` argument of `__call__` (`nnx.Rngs(dropout=key)`), so the model
 holds no random state and the train step derives the key from the step number:
 a resumed run draws the same masks as an uninterrupted one.
 
-Sharding: `param_partition_specs` puts the item table's rows on the vocab axis
+Sharding: `param_partition_specs` puts the item tables' rows on the vocab axis
 of the mesh and replicates everything else.
 """
 
@@ -43,8 +43,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-# Name of the attribute holding the item table; sharding and the loss find it by name.
+# Names of the attributes holding the item tables (the input embedding, and the
+# output table where it is separate); sharding and the loss find them by name.
 ITEM_EMBEDDING = "item_embedding"
+OUTPUT_EMBEDDING = "output_embedding"
 
 
 def padded_vocab_size(num_items: int, vocab_shards: int) -> int:
@@ -60,38 +62,57 @@ def padded_vocab_size(num_items: int, vocab_shards: int) -> int:
 
 BLOCKS = ("pre_ln", "sasrec")
 POSITIONS = ("window", "from_first")
+TABLES = ("tied", "separate")
 
 
-def _initializers(init_std: float | None) -> dict:
-  """Linear kernel and bias initializers: flax's defaults, or normal(init_std) and zeros."""
-  if init_std is None:
-    return {}
-  return {"kernel_init": nnx.initializers.normal(stddev=init_std),
-          "bias_init": nnx.initializers.zeros}
+INITS = ("flax", "sasrec_plus", "pytorch")
+SASREC_PLUS_STD = 0.02  # SASRec+ (and GPT-2): normal(0.02) for embeddings and linear layers
 
 
-def _attention_initializers(init_std: float | None) -> dict:
-  """Attention projections: flax's defaults, or those of PyTorch's MultiheadAttention.
+def _torch_linear(fan_in: int) -> dict:
+  """PyTorch's `nn.Linear` defaults: kernel and bias uniform in +-1 / sqrt(fan_in)."""
+  bound = fan_in ** -0.5
+  uniform = lambda key, shape, dtype=jnp.float32: jax.random.uniform(
+      key, shape, dtype, -bound, bound)
+  return {"kernel_init": uniform, "bias_init": uniform}
 
-  There the stacked `[3D, D]` query, key and value projection is Xavier
-  uniform (variance 2 / (D + 3D) = 1 / (2D)) and only the output projection
-  is an `nn.Linear` that SASRec+ re-initializes normal(init_std); biases 0.
+
+def _initializers(init: str, fan_in: int) -> dict:
+  """A linear layer's kernel and bias initializers under scheme `init` (SASRec's docstring)."""
+  if init == "sasrec_plus":
+    return {"kernel_init": nnx.initializers.normal(stddev=SASREC_PLUS_STD),
+            "bias_init": nnx.initializers.zeros}
+  if init == "pytorch":
+    return _torch_linear(fan_in)
+  return {}
+
+
+def _attention_initializers(init: str, dim: int) -> dict:
+  """Attention projections under scheme `init`.
+
+  "sasrec_plus": PyTorch's MultiheadAttention, whose stacked `[3D, D]`
+  query, key and value projection is Xavier uniform (variance
+  2 / (D + 3D) = 1 / (2D)), biases 0, and whose output projection is an
+  `nn.Linear` that SASRec+ re-initializes normal(0.02). "pytorch": four
+  `nn.Linear` layers with PyTorch's defaults (gSASRec's attention).
   """
-  if init_std is None:
-    return {}
-  return {"kernel_init": nnx.initializers.variance_scaling(0.5, "fan_in", "uniform"),
-          "out_kernel_init": nnx.initializers.normal(stddev=init_std),
-          "bias_init": nnx.initializers.zeros}
+  if init == "sasrec_plus":
+    return {"kernel_init": nnx.initializers.variance_scaling(0.5, "fan_in", "uniform"),
+            "out_kernel_init": nnx.initializers.normal(stddev=SASREC_PLUS_STD),
+            "bias_init": nnx.initializers.zeros}
+  if init == "pytorch":
+    return _torch_linear(dim)
+  return {}
 
 
 class FeedForward(nnx.Module):
   """Position-wise `D -> hidden_dim -> D`: GELU, or ReLU with dropout on its input."""
 
   def __init__(self, dim: int, hidden_dim: int, *, activation: str = "gelu",
-               dropout_rate: float = 0.0, init_std: float | None = None, dtype,
-               rngs: nnx.Rngs):
-    self.up = nnx.Linear(dim, hidden_dim, dtype=dtype, rngs=rngs, **_initializers(init_std))
-    self.down = nnx.Linear(hidden_dim, dim, dtype=dtype, rngs=rngs, **_initializers(init_std))
+               dropout_rate: float = 0.0, init: str = "flax", dtype, rngs: nnx.Rngs):
+    self.up = nnx.Linear(dim, hidden_dim, dtype=dtype, rngs=rngs, **_initializers(init, dim))
+    self.down = nnx.Linear(hidden_dim, dim, dtype=dtype, rngs=rngs,
+                           **_initializers(init, hidden_dim))
     self.activation = activation
     self.dropout = nnx.Dropout(dropout_rate)
 
@@ -107,18 +128,18 @@ class Block(nnx.Module):
   """One causal transformer block, `kind` "pre_ln" or "sasrec" (the module docstring)."""
 
   def __init__(self, dim: int, num_heads: int, mlp_dim: int, dropout_rate: float, *,
-               kind: str = "pre_ln", init_std: float | None = None, dtype, rngs: nnx.Rngs):
+               kind: str = "pre_ln", init: str = "flax", dtype, rngs: nnx.Rngs):
     self.kind = kind
     epsilon = 1e-8 if kind == "sasrec" else 1e-6
     self.attention_norm = nnx.LayerNorm(dim, epsilon=epsilon, dtype=dtype, rngs=rngs)
     self.attention = nnx.MultiHeadAttention(
         num_heads=num_heads, in_features=dim, dtype=dtype, dropout_rate=dropout_rate,
         broadcast_dropout=False, decode=False, keep_rngs=False, rngs=rngs,
-        **_attention_initializers(init_std),
+        **_attention_initializers(init, dim),
     )
     self.mlp_norm = nnx.LayerNorm(dim, epsilon=epsilon, dtype=dtype, rngs=rngs)
     self.mlp = FeedForward(dim, mlp_dim, activation="relu" if kind == "sasrec" else "gelu",
-                           dropout_rate=dropout_rate, init_std=init_std, dtype=dtype, rngs=rngs)
+                           dropout_rate=dropout_rate, init=init, dtype=dtype, rngs=rngs)
     self.dropout = nnx.Dropout(dropout_rate)
 
   def __call__(self, x, mask, *, deterministic: bool, rngs):
@@ -164,10 +185,17 @@ class SASRec(nnx.Module):
       -log V), passed to the loss, the ranking and top-k as `bias`.
     block: "pre_ln" or "sasrec" (the module docstring).
     positions: "window" or "from_first" (the module docstring).
-    init_std: None: embeddings normal(D^-1/2), linear layers flax's defaults;
-      a number: embeddings, feed-forward and attention output kernels
-      normal(init_std), biases 0, the query / key / value projections as
-      PyTorch's MultiheadAttention makes them (0.02 in SASRec+).
+    init: the initializers. "flax": embeddings normal(D^-1/2), linear layers
+      flax's defaults; "sasrec_plus" (SASRec+'s code): embeddings, linear
+      layers and the attention's output normal(0.02), biases 0, the query /
+      key / value projections as PyTorch's MultiheadAttention makes them;
+      "pytorch" (gSASRec's code: PyTorch's defaults): embeddings normal(1),
+      linear kernels and biases uniform in +-1 / sqrt(fan_in).
+    scale_embeddings: multiply the input item embeddings by sqrt(D) (SASRec
+      and SASRec+ do; gSASRec does not).
+    output_table: "tied" (the input embedding table scores the items) or
+      "separate" (a second `[V, D]` table, `output_embedding`, as gSASRec's
+      default; sharded by rows like the first).
     dtype: compute dtype (jnp.float32 or jnp.bfloat16); parameters stay float32.
     rngs: parameter initialisation keys (`nnx.Rngs(params=...)`).
   """
@@ -175,45 +203,51 @@ class SASRec(nnx.Module):
   def __init__(self, *, num_items: int, seq_len: int, dim: int, num_layers: int,
                num_heads: int, mlp_dim: int, dropout_rate: float = 0.0,
                vocab_shards: int = 1, dtype=jnp.float32, item_bias: bool = False,
-               block: str = "pre_ln", positions: str = "window",
-               init_std: float | None = None, rngs: nnx.Rngs):
+               block: str = "pre_ln", positions: str = "window", init: str = "flax",
+               scale_embeddings: bool = True, output_table: str = "tied", rngs: nnx.Rngs):
     if num_items < 1 or seq_len < 1 or dim < 1 or num_layers < 0:
       raise ValueError(
           f"SASRec needs num_items, seq_len, dim >= 1 and num_layers >= 0, got "
           f"num_items={num_items}, seq_len={seq_len}, dim={dim}, num_layers={num_layers}")
     if dim % num_heads:
       raise ValueError(f"dim={dim} is not divisible by num_heads={num_heads}")
-    if block not in BLOCKS or positions not in POSITIONS:
-      raise ValueError(f"SASRec block={block!r} (one of {BLOCKS}), positions={positions!r} "
-                       f"(one of {POSITIONS})")
-    if init_std is not None and not init_std > 0:
-      raise ValueError(f"SASRec init_std={init_std}: None or a positive number")
+    for name, value, choices in (("block", block, BLOCKS), ("positions", positions, POSITIONS),
+                                 ("init", init, INITS), ("output_table", output_table, TABLES)):
+      if value not in choices:
+        raise ValueError(f"SASRec {name}={value!r}: one of {choices}")
     self.num_items = num_items
     self.dim = dim
     self.dtype = dtype
     self.positions = positions
-    init = nnx.initializers.normal(stddev=dim ** -0.5 if init_std is None else init_std)
-    setattr(self, ITEM_EMBEDDING, nnx.Embed(
-        padded_vocab_size(num_items, vocab_shards), dim, dtype=dtype,
-        embedding_init=init, rngs=rngs))
-    self.position_embedding = nnx.Embed(seq_len, dim, dtype=dtype, embedding_init=init,
-                                        rngs=rngs)
+    self.scale_embeddings = scale_embeddings
+    std = {"flax": dim ** -0.5, "sasrec_plus": SASREC_PLUS_STD, "pytorch": 1.0}[init]
+    embedding_init = nnx.initializers.normal(stddev=std)
+    rows = padded_vocab_size(num_items, vocab_shards)
+    setattr(self, ITEM_EMBEDDING, nnx.Embed(rows, dim, dtype=dtype,
+                                            embedding_init=embedding_init, rngs=rngs))
+    self.position_embedding = nnx.Embed(seq_len, dim, dtype=dtype,
+                                        embedding_init=embedding_init, rngs=rngs)
     self.embedding_dropout = nnx.Dropout(dropout_rate)
     self.blocks = nnx.List([
-        Block(dim, num_heads, mlp_dim, dropout_rate, kind=block, init_std=init_std,
-              dtype=dtype, rngs=rngs)
+        Block(dim, num_heads, mlp_dim, dropout_rate, kind=block, init=init, dtype=dtype,
+              rngs=rngs)
         for _ in range(num_layers)
     ])
     self.final_norm = nnx.LayerNorm(dim, epsilon=1e-8 if block == "sasrec" else 1e-6,
                                     dtype=dtype, rngs=rngs)
+    if output_table == "separate":
+      setattr(self, OUTPUT_EMBEDDING, nnx.Embed(rows, dim, dtype=dtype,
+                                                embedding_init=embedding_init, rngs=rngs))
     if item_bias:
       self.item_bias = ItemBias(padded_vocab_size(num_items, vocab_shards),
                                 -math.log(num_items))
 
   @property
   def item_table(self) -> jax.Array:
-    """The `[V_padded, D]` output table (the input embedding), in compute dtype."""
-    return getattr(self, ITEM_EMBEDDING).embedding[...].astype(self.dtype)
+    """The `[V_padded, D]` output table (the input embedding unless separate), compute dtype."""
+    table = getattr(self, OUTPUT_EMBEDDING, None)
+    table = getattr(self, ITEM_EMBEDDING) if table is None else table
+    return table.embedding[...].astype(self.dtype)
 
   @property
   def output_bias(self) -> jax.Array | None:
@@ -235,7 +269,9 @@ class SASRec(nnx.Module):
     """
     valid = (inputs >= 0) & (inputs < self.num_items)  # [B, N]
     ids = jnp.where(valid, inputs, 0)
-    x = getattr(self, ITEM_EMBEDDING)(ids) * jnp.asarray(self.dim ** 0.5, self.dtype)
+    x = getattr(self, ITEM_EMBEDDING)(ids)
+    if self.scale_embeddings:
+      x = x * jnp.asarray(self.dim ** 0.5, self.dtype)
     x = x * valid[..., None].astype(self.dtype)
     if self.positions == "from_first":  # 0 at the window's first item (padding: 0, unused)
       positions = jnp.maximum(jnp.cumsum(valid, axis=-1) - 1, 0)
@@ -256,7 +292,7 @@ class SASRec(nnx.Module):
 def param_partition_specs(params: nnx.State, vocab_axis: str | None) -> nnx.State:
   """PartitionSpecs for a state shaped like the model's parameters.
 
-  The item table `[V, D]` and the item bias `[V]` (and any array in the tree
+  The item tables `[V, D]` and the item bias `[V]` (and any array in the tree
   under the same paths, such as optimizer moments) are split by rows over
   `vocab_axis`; everything else is replicated.
   """
@@ -266,7 +302,7 @@ def param_partition_specs(params: nnx.State, vocab_axis: str | None) -> nnx.Stat
       return P()
     names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
     ndim = getattr(leaf, "ndim", 0)
-    if ITEM_EMBEDDING in names and ndim == 2:
+    if names & {ITEM_EMBEDDING, OUTPUT_EMBEDDING} and ndim == 2:
       return P(vocab_axis, None)
     if "item_bias" in names and ndim == 1:
       return P(vocab_axis)

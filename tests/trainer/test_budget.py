@@ -199,3 +199,15 @@ def test_a_synthetic_catalog_past_the_hosts_memory_is_one_line(tmp_path, capsys,
       f"bytes per item, the raw id of every item and its copy: "
       f"{budget.gib(16 * num_items)}, and this host's memory is 1.0 GiB)"], lines
   assert not (tmp_path / "out").exists()
+
+
+def test_a_separate_output_table_counts_twice():
+  config = smoke.get_config()
+  tied = budget.Model.of_config(config.model)
+  config.model.output_table = "separate"
+  separate = budget.Model.of_config(config.model)
+  flat = {f"model.{name}": value for name, value in config.model.items()}
+  assert budget.Model.of(flat) == separate and separate.tables == 2 and tied.tables == 1
+  sizes = dict(num_items=10**6, seq_len=config.seq_len, vocab_shards=4)
+  assert (budget.param_count(separate, **sizes) - budget.param_count(tied, **sizes)
+          == 10**6 // 4 * config.model.dim)

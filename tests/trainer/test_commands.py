@@ -446,3 +446,46 @@ def test_console_scripts_point_at_the_commands():
     module, function = target.split(":")
     assert callable(getattr(importlib.import_module(module), function)), target
   assert set(config_keys.COMMAND_FLAGS) == {"evaluate", "recommend", "export"}
+
+
+def test_a_separate_output_table_is_what_export_and_recommend_score_with(
+    smoke_data_dir, tmp_path, capsys):
+  # gSASRec's model (model.output_table="separate", PyTorch's initializers,
+  # no sqrt(D) scale): export writes the output table as item_embeddings.npy
+  # and the input embedding as a parameter of its own; recommend's top items
+  # are those of the output table's scores.
+  config = _config(smoke_data_dir)
+  config.train_steps, config.eval_every, config.checkpoint_every = 4, 4, 4
+  config.model.output_table, config.model.init = "separate", "pytorch"
+  config.model.scale_embeddings, config.model.block = False, "sasrec"
+  workdir = str(tmp_path / "run")
+  loop.train_and_evaluate(config, workdir)
+  out = str(tmp_path / "export")
+  assert export.main(["export", f"--workdir={workdir}", f"--out={out}"]) == 0
+  run = workdir_lib.open_run(workdir, say=lambda line: None)
+  loaded = export.load_export(out)
+  params = export._flatten(jax.tree.map(np.asarray, run.params))
+  num_items = run.data.num_items
+  np.testing.assert_array_equal(loaded.item_embeddings,
+                                params[export.OUTPUT_TABLE_PATH][:num_items])
+  np.testing.assert_array_equal(loaded.params[export.ITEM_TABLE_PATH],
+                                params[export.ITEM_TABLE_PATH])
+  assert not np.allclose(params[export.ITEM_TABLE_PATH], params[export.OUTPUT_TABLE_PATH])
+  recommendations = tmp_path / "recs.jsonl"
+  status, _, err = _run(recommend, capsys, f"--workdir={workdir}", f"--out={recommendations}",
+                        f"--top_k={TOP_K}")
+  assert status == 0, err
+  record = json.loads(recommendations.read_text().splitlines()[0])
+  data = run.data
+  history = _histories(data)[0]
+  inputs = np.full((1, config.seq_len), data.num_items, np.int32)
+  last = history[-config.seq_len:]
+  inputs[0, config.seq_len - last.shape[0]:] = last
+  hidden = np.asarray(nnx.merge(run.graphdef, run.params)(jnp.asarray(inputs))[0, -1],
+                      np.float64)
+  row = np.asarray(loaded.item_embeddings, np.float64) @ hidden
+  row[np.unique(history)] = -np.inf
+  want = np.argsort(-row, kind="stable")[:TOP_K]
+  raw_to_dense = {raw: dense for dense, raw in enumerate(loaded.item_ids.tolist())}
+  got = np.array([raw_to_dense[raw] for raw in record["items"]])
+  np.testing.assert_allclose(row[got], row[want], rtol=1e-4, atol=1e-5)

@@ -88,7 +88,7 @@ def _attention(q_in, kv_in, p, mask):
   return np.einsum("qhk,hkd->qd", out, p["out"]["kernel"]) + p["out"]["bias"]
 
 
-def _reference(model, params, ids, block, positions):
+def _reference(model, params, ids, block, positions, scale=True):
   """The model's forward (no dropout) in float64 numpy, from the formulas of trainer/model.py."""
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
   num_items, dim = model.num_items, model.dim
@@ -96,7 +96,7 @@ def _reference(model, params, ids, block, positions):
   outputs = []
   for row in np.asarray(ids):
     valid = (row >= 0) & (row < num_items)
-    x = p["item_embedding"]["embedding"][np.where(valid, row, 0)] * np.sqrt(dim)
+    x = p["item_embedding"]["embedding"][np.where(valid, row, 0)] * (np.sqrt(dim) if scale else 1)
     x = x * valid[:, None]
     pos = (np.maximum(np.cumsum(valid) - 1, 0) if positions == "from_first"
            else np.arange(len(row)))
@@ -121,28 +121,28 @@ def _reference(model, params, ids, block, positions):
   return np.stack(outputs)
 
 
-def make_variant(block="pre_ln", positions="window", init_std=None, seq_len=6):
+def make_variant(block="pre_ln", positions="window", seq_len=6, **kwargs):
   return model_lib.SASRec(
       num_items=37, seq_len=seq_len, dim=16, num_layers=2, num_heads=2, mlp_dim=24,
-      block=block, positions=positions, init_std=init_std, rngs=nnx.Rngs(3))
+      block=block, positions=positions, rngs=nnx.Rngs(3), **kwargs)
 
 
 @pytest.mark.parametrize("block", model_lib.BLOCKS)
 @pytest.mark.parametrize("positions", model_lib.POSITIONS)
-def test_each_block_is_the_formula_written_out(block, positions):
+@pytest.mark.parametrize("scale", [True, False])
+def test_each_block_is_the_formula_written_out(block, positions, scale):
   # float64 numpy from the module docstring's formulas, on the model's own
   # (randomized) parameters: padding on the left, a padded id inside the
   # window and the last id of the catalog.
-  model = make_variant(block, positions, init_std=0.3)
-  graphdef, state = nnx.split(model)
-  params = nnx.to_pure_dict(state)
-  params = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(a.size), a.shape),
+  model = make_variant(block, positions, scale_embeddings=scale)
+  params = nnx.to_pure_dict(nnx.state(model))
+  params = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(jax.random.key(a.size), a.shape),
                         params)
   nnx.update(model, params)
   ids = jnp.array([[-1, -1, 3, 4, 5, 36], [1, 37, 3, 4, 5, 6]])
   with jax.default_matmul_precision("float32"):
     got = np.asarray(model(ids))
-  want = _reference(model, params, ids, block, positions)
+  want = _reference(model, params, ids, block, positions, scale)
   valid = np.asarray((ids >= 0) & (ids < 37))
   np.testing.assert_allclose(got[valid], want[valid], rtol=2e-4, atol=2e-4)
 
@@ -158,24 +158,47 @@ def test_positions_from_first_do_not_depend_on_the_padding():
     assert np.allclose(padded, alone, atol=1e-5) == same, positions
 
 
-def test_init_std_sets_the_initializers_as_sasrec_plus_does():
-  params = nnx.to_pure_dict(nnx.state(make_variant("sasrec", init_std=0.02, seq_len=512)))
+def test_the_initializers_are_the_named_codes():
+  std = lambda a: float(np.std(np.asarray(a)))
+  # SASRec+'s code: normal(0.02), and PyTorch's MultiheadAttention input projection.
+  params = nnx.to_pure_dict(nnx.state(make_variant("sasrec", init="sasrec_plus", seq_len=512)))
   block = params["blocks"][0]
   for table in (params["item_embedding"]["embedding"], params["position_embedding"]["embedding"],
                 block["mlp"]["up"]["kernel"], block["attention"]["out"]["kernel"]):
-    assert abs(float(np.std(table)) - 0.02) < 0.004
-  # PyTorch's MultiheadAttention: Xavier uniform over the stacked [3D, D] projection.
+    assert abs(std(table) - 0.02) < 0.004
   query = np.asarray(block["attention"]["query"]["kernel"])
-  assert abs(float(np.std(query)) - (1 / (2 * 16)) ** 0.5) < 0.03
+  assert abs(std(query) - (1 / (2 * 16)) ** 0.5) < 0.03
   assert np.abs(query).max() <= (3 / (2 * 16)) ** 0.5 + 1e-6
   assert not np.any(np.asarray(block["mlp"]["up"]["bias"]))
-  # Without init_std the embeddings keep normal(D^-1/2).
+  # PyTorch's defaults (gSASRec's code): embeddings normal(1), linear layers
+  # uniform in +-1/sqrt(fan_in), biases too.
+  params = nnx.to_pure_dict(nnx.state(make_variant(init="pytorch", seq_len=512)))
+  block = params["blocks"][0]
+  assert abs(std(params["position_embedding"]["embedding"]) - 1.0) < 0.05
+  for layer, fan_in in ((block["mlp"]["up"], 16), (block["mlp"]["down"], 24),
+                        (block["attention"]["key"], 16)):
+    for array in (layer["kernel"], layer["bias"]):
+      assert np.abs(np.asarray(array)).max() <= fan_in ** -0.5 + 1e-6
+    assert abs(std(layer["kernel"]) - (3 * fan_in) ** -0.5) < 0.04
+  # flax's: the embeddings normal(D^-1/2).
   default = nnx.to_pure_dict(nnx.state(make_variant(seq_len=512)))
-  assert abs(float(np.std(default["position_embedding"]["embedding"])) - 0.25) < 0.03
+  assert abs(std(default["position_embedding"]["embedding"]) - 0.25) < 0.03
 
 
-def test_bad_block_positions_or_init_std_raise():
+def test_a_separate_output_table_scores_the_items():
+  tied, separate = make_variant(), make_variant(output_table="separate")
+  inputs = np.asarray(nnx.to_pure_dict(nnx.state(separate))["item_embedding"]["embedding"])
+  output = np.asarray(nnx.to_pure_dict(nnx.state(separate))["output_embedding"]["embedding"])
+  assert output.shape == inputs.shape and not np.allclose(output, inputs)
+  np.testing.assert_array_equal(separate.item_table, output)
+  np.testing.assert_array_equal(tied.item_table, tied.item_embedding.embedding[...])
+  assert not hasattr(tied, "output_embedding")
+  specs = model_lib.param_partition_specs(nnx.to_pure_dict(nnx.state(separate)), "model")
+  assert specs["output_embedding"]["embedding"] == jax.sharding.PartitionSpec("model", None)
+
+
+def test_bad_block_positions_init_or_table_raise():
   for kwargs, said in (({"block": "post_ln"}, "block"), ({"positions": "end"}, "positions"),
-                       ({"init_std": 0.0}, "init_std")):
+                       ({"init": "xavier"}, "init"), ({"output_table": "untied"}, "output_table")):
     with pytest.raises(ValueError, match=said):
       make_variant(**kwargs)

@@ -18,10 +18,12 @@ and one JSON manifest, readable by any NumPy (no pickle, no jax, no orbax):
                              utf8[offsets[v]:offsets[v + 1]]), manifest
                              dtype "utf8"
     DIR/params/<name>.npy    every model parameter, `name` its path in the
-                             parameter tree joined with "." (the item table
-                             is not repeated: its entry points at
+                             parameter tree joined with "." (the output
+                             table is not repeated: its entry points at
                              item_embeddings.npy, the table of a model built
-                             with `vocab_shards=1`)
+                             with `vocab_shards=1`; with
+                             `model.output_table="separate"` the input
+                             embedding is a parameter file of its own)
 
 `DIR` must be new, empty, or an earlier export (a manifest.json of format
 "cutbce-export"); a folder holding anything else (a run's prepared data, a
@@ -54,6 +56,7 @@ READABLE_VERSIONS = (1, 2)  # 1: string ids as a fixed-width <U item_ids.npy
 STRING_IDS = "utf8"  # manifest dtype of string ids (as trainer.data.storage writes them)
 MANIFEST = "manifest.json"
 ITEM_TABLE_PATH = "item_embedding/embedding"  # the SASRec item table in the parameter tree
+OUTPUT_TABLE_PATH = "output_embedding/embedding"  # its output table, where separate
 ITEM_BIAS_PATH = "item_bias/bias"  # an item bias, if a model has one
 
 
@@ -193,7 +196,8 @@ def export_run(run, out: str | os.PathLike, *, protected=()) -> dict:
       np.save(handle, array, allow_pickle=False)
 
   arrays = {}
-  table = np.asarray(params[ITEM_TABLE_PATH][:num_items], np.float32)
+  table_path = OUTPUT_TABLE_PATH if OUTPUT_TABLE_PATH in params else ITEM_TABLE_PATH
+  table = np.asarray(params[table_path][:num_items], np.float32)
   save("item_embeddings.npy", table)
   arrays["item_embeddings"] = _entry("item_embeddings.npy", table)
   if ITEM_BIAS_PATH in params:
@@ -214,8 +218,8 @@ def export_run(run, out: str | os.PathLike, *, protected=()) -> dict:
     arrays["item_ids"] = _entry("item_ids.npy", item_ids)
   entries = []
   for name, value in params.items():
-    if name in (ITEM_TABLE_PATH, ITEM_BIAS_PATH):
-      entry = dict(arrays["item_embeddings" if name == ITEM_TABLE_PATH else "item_bias"])
+    if name in (table_path, ITEM_BIAS_PATH):
+      entry = dict(arrays["item_embeddings" if name == table_path else "item_bias"])
     else:
       file = "params/" + name.replace("/", ".") + ".npy"
       save(file, value)

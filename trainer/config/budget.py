@@ -62,23 +62,26 @@ class Model(NamedTuple):
   num_heads: int
   mlp_dim: int
   dtype_bytes: int
+  tables: int = 1  # item tables: 2 with `model.output_table="separate"`
 
   @classmethod
   def of(cls, values) -> "Model":
     """From flat config values (`"model.dim"`, ...)."""
     return cls(values["model.dim"], values["model.num_layers"], values["model.num_heads"],
-               values["model.mlp_dim"], _DTYPE_BYTES.get(values["model.dtype"], 4))
+               values["model.mlp_dim"], _DTYPE_BYTES.get(values["model.dtype"], 4),
+               2 if values.get("model.output_table") == "separate" else 1)
 
   @classmethod
   def of_config(cls, model_config) -> "Model":
     """From the `config.model` ConfigDict of a run."""
     return cls(model_config.dim, model_config.num_layers, model_config.num_heads,
-               model_config.mlp_dim, _DTYPE_BYTES.get(model_config.dtype, 4))
+               model_config.mlp_dim, _DTYPE_BYTES.get(model_config.dtype, 4),
+               2 if model_config.get("output_table") == "separate" else 1)
 
 
 def step_bytes(model: Model, batch: int, seq_len: int, *, training: bool) -> int:
   """A lower bound on the bytes of activations a step over `[batch, seq_len]` holds."""
-  dim, layers, heads, mlp_dim, dtype_bytes = model
+  dim, layers, heads, mlp_dim, dtype_bytes, _ = model
   block = heads * seq_len + mlp_dim + 4 * dim  # per position, one block
   kept = layers * block if training else min(layers, 1) * block
   return batch * seq_len * (kept + 2 * dim) * dtype_bytes
@@ -223,9 +226,9 @@ STATE_BYTES = {True: 16, False: 4}
 
 def param_count(model: Model, *, num_items: int, seq_len: int, vocab_shards: int = 1) -> int:
   """A lower bound on the parameters one device holds (the table's rows split by `vocab_shards`)."""
-  dim, layers, _, mlp_dim, _ = model
+  dim, layers, _, mlp_dim, _, tables = model
   table_rows = -(-num_items // max(vocab_shards, 1)) if num_items else 0
-  return table_rows * dim + seq_len * dim + layers * (4 * dim * dim + 2 * dim * mlp_dim)
+  return tables * table_rows * dim + seq_len * dim + layers * (4 * dim * dim + 2 * dim * mlp_dim)
 
 
 def state_bytes(model: Model, *, num_items: int, seq_len: int, vocab_shards: int = 1,

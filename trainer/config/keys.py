@@ -90,9 +90,13 @@ KEYS: tuple[schema.Key, ...] = (
     key("model.positions", STR, one_of("window", "from_first"), "position embeddings by "
         "slot in the window ('window': the newest item is slot N - 1) or counted from the "
         "window's first item ('from_first', as right-padded implementations do)"),
-    key("model.init_std", FLOAT, above(0), "None: flax's initializers (embeddings "
-        "normal(D^-1/2)); a number: embeddings and linear kernels normal(init_std), biases 0, "
-        "attention's input projections as PyTorch makes them (SASRec+: 0.02)", none_ok=True),
+    key("model.init", STR, one_of("flax", "sasrec_plus", "pytorch"), "initializers: flax's "
+        "(embeddings normal(D^-1/2)), SASRec+'s code's (normal(0.02)) or PyTorch's defaults "
+        "(gSASRec's code: embeddings normal(1)); trainer/model.py"),
+    key("model.scale_embeddings", BOOL, None, "multiply the input item embeddings by "
+        "sqrt(D) (SASRec, SASRec+; gSASRec does not)"),
+    key("model.output_table", STR, one_of("tied", "separate"), "the items' output table: "
+        "the input embedding ('tied') or a second table ('separate', gSASRec's default)"),
     key("optimizer.learning_rate", FLOAT, above(0), "peak learning rate of AdamW"),
     key("optimizer.warmup_steps", INT, at_least(0), "linear warm-up steps from 0"),
     key("optimizer.schedule", STR, one_of("constant", "cosine"), "after warm-up: constant, "
