@@ -323,6 +323,10 @@ QUALITY_GRID += (
     ("a_init_seed0", SASREC_PLUS, ["seed=0", "model.init='sasrec_plus'"]),
     ("a_no_clip_seed0", SASREC_PLUS, ["seed=0", "optimizer.clip_norm=None"]),
     ("a_4000_steps_seed0", SASREC_PLUS, ["seed=0", "train_steps=4000"]),
+    # gSASRec as its code builds and trains it (90,000 steps: the longest runs here).
+    ("gsasrec_seed0", "configs/ml1m_gsasrec.py", ["seed=0"]),
+    ("gsasrec_seed1", "configs/ml1m_gsasrec.py", ["seed=1"]),
+    ("gsasrec_seed2", "configs/ml1m_gsasrec.py", ["seed=2"]),
 )
 # The runs a plain `device` call makes: what the grid has not measured yet.
 NEXT_RUNS = ("replica_seed0", "replica_seed1", "replica_seed2", "a_sasrec_block_seed0",
