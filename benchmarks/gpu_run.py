@@ -323,6 +323,9 @@ QUALITY_GRID += (
     ("a_init_seed0", SASREC_PLUS, ["seed=0", "model.init='sasrec_plus'"]),
     ("a_no_clip_seed0", SASREC_PLUS, ["seed=0", "optimizer.clip_norm=None"]),
     ("a_4000_steps_seed0", SASREC_PLUS, ["seed=0", "train_steps=4000"]),
+    ("replica_3000_seed0", "configs/ml1m_sasrec_plus_3000.py", ["seed=0"]),
+    ("replica_3000_seed1", "configs/ml1m_sasrec_plus_3000.py", ["seed=1"]),
+    ("replica_3000_seed2", "configs/ml1m_sasrec_plus_3000.py", ["seed=2"]),
     # gSASRec as its code builds and trains it (90,000 steps: the longest runs here).
     ("gsasrec_seed0", "configs/ml1m_gsasrec.py", ["seed=0"]),
     ("gsasrec_seed1", "configs/ml1m_gsasrec.py", ["seed=1"]),
@@ -331,7 +334,8 @@ QUALITY_GRID += (
 # The runs a plain `device` call makes: what the grid has not measured yet.
 NEXT_RUNS = ("replica_seed0", "replica_seed1", "replica_seed2", "a_sasrec_block_seed0",
              "a_from_first_seed0", "a_init_seed0", "a_no_clip_seed0",
-             "a_4000_steps_seed0",
+             "a_4000_steps_seed0", "replica_3000_seed0", "replica_3000_seed1",
+             "replica_3000_seed2", "gsasrec_seed0", "gsasrec_seed1", "gsasrec_seed2",
              "ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2",
              "best_sampled_softmax_k128_seed0", "best_sampled_softmax_k1024_seed0",
              "best_sampled_softmax_k128_pop_logq_seed0", "best_sampled_softmax_k128_pop_seed0",

@@ -33,12 +33,18 @@ only, as the published recipes do (HSTU, eSASRec, gSASRec, YouTube):
 
 Negatives are drawn once per batch (`loss.negatives_per="batch"`: one set of
 k ids shared by every position, logits `[T, k]` from one `[T, D] x [D, k]`
-matmul) or per position (`"position"`: ids `[T, k]`, rows `[T, k, D]`). The
-samplers: "uniform" over [0, V) (q = 1/V), or "popularity", proportional to
-each item's count in the training interactions (`train_item_counts`), drawn
-by inverse CDF: an integer r uniform in [0, C) and the item whose cumulative
-count range holds it (`jnp.searchsorted` on the int32 cumulative counts,
-replicated on every device: 4 V bytes). Draws are with replacement.
+matmul), per sequence (`"sequence"`: ids `[B, k]`, shared by the sequence's
+positions, rows `[B, k, D]`, as SASRec+ draws them) or per position
+(`"position"`: ids `[T, k]`, rows `[T, k, D]`). The samplers: "uniform" over
+[0, V) (q = 1/V), or "popularity", proportional to each item's count in the
+training interactions (`train_item_counts`), drawn by inverse CDF: an
+integer r uniform in [0, C) and the item whose cumulative count range holds
+it (`jnp.searchsorted` on the int32 cumulative counts, replicated on every
+device: 4 V bytes). Draws are with replacement, except per sequence: k
+distinct items by Gumbel top-k over a `[B, V]` array of keys
+(`draw_sequence_negatives`), with `loss.exclude="window"` none of them from
+the sequence's window (its inputs and its last position's targets), as
+SASRec+'s 3,000 negatives are drawn.
 
 Weighting and reduction as the exact losses: padding positions have weight
 0, a target id repeated in a row counts once, the loss is
@@ -84,8 +90,9 @@ class SampledLoss(NamedTuple):
   sampler: str = "uniform"  # sampled_softmax, gbce: "uniform" or "popularity"
   logq: bool = False  # subtract log(k q(item)) from the negatives' logits
   gbce_t: float = 0.75  # gBCE calibration t
-  negatives_per: str = "batch"  # one set of negatives per "batch" or per "position"
+  negatives_per: str = "batch"  # one set of negatives per "batch", "sequence" or "position"
   target_reduction: str = "sum"  # sampled_softmax, in_batch: a position's targets added or averaged
+  exclude_window: bool = False  # "sequence": never draw an item of the sequence's window
 
 
 # --------------------------------------------------------------------------- #
@@ -174,18 +181,60 @@ def cumulative_counts(counts: np.ndarray, rows: int) -> np.ndarray:
 
 
 class Negatives(NamedTuple):
-  """Sampled negatives: `[k]` (per batch) or `[T, k]` (per position) each."""
+  """Sampled negatives: `[k]` (per batch), `[B, k]` (per sequence) or `[T, k]` (per position)."""
   ids: jax.Array  # int32; masked ones may hold any id
   valid: jax.Array  # bool: drawn from a real slot (in_batch padding slots are not)
   log_expected: jax.Array  # float32 log(k q(id)): expected draws of the id, for logQ
 
 
-def negatives_shape(loss: SampledLoss, num_tokens: int, num_slots: int) -> tuple[int, ...]:
-  """`[k]` or `[T, k]`; in_batch with k None: `[S]`, every target slot, shared."""
+def negatives_shape(loss: SampledLoss, num_tokens: int, num_slots: int,
+                    num_sequences: int = 1) -> tuple[int, ...]:
+  """`[k]`, `[B, k]` or `[T, k]`; in_batch with k None: `[S]`, every target slot, shared."""
   if loss.num_negatives is None:
     return (num_slots,)
   k = loss.num_negatives
-  return (k,) if loss.negatives_per == "batch" else (num_tokens, k)
+  return {"batch": (k,), "sequence": (num_sequences, k),
+          "position": (num_tokens, k)}[loss.negatives_per]
+
+
+def draw_sequence_negatives(key, shape, *, num_items: int, window=None,
+                            cumulative=None) -> Negatives:
+  """k distinct negatives per sequence, drawn without replacement, none from its window.
+
+  SASRec+'s sampled softmax draws so: k of the items outside the user's
+  window, without replacement, shared by the window's positions. Here by
+  Gumbel top-k: each item's key is log q(item) plus a Gumbel draw, the
+  window's items get -inf, and the k largest are taken (uniform: a random
+  k-subset of the allowed items; popularity: successive sampling in
+  proportion to the counts). Where fewer than k items are allowed, the
+  excluded ones fill the rest and are masked (`valid` False).
+
+  `log_expected` is log(k q(item)), the with-replacement expectation: for a
+  draw without replacement it is an approximation (exact in the limit of
+  k << V), stated where logQ is used.
+
+  Args:
+    key: the step's negatives key.
+    shape: `[B, k]`.
+    num_items: V; ids are drawn in [0, V).
+    window: int `[B, W]` item ids of each sequence's window (padding outside
+      [0, V)), or None: nothing excluded.
+    cumulative: int32 `[V_padded]` (`cumulative_counts`), or None: uniform.
+  """
+  sequences, k = shape
+  if cumulative is None:
+    log_q = jnp.full((num_items,), -math.log(num_items), jnp.float32)
+  else:
+    counts = jnp.diff(cumulative[:num_items], prepend=0).astype(jnp.float32)
+    log_q = jnp.log(counts) - jnp.log(jnp.sum(counts))
+  scores = log_q[None, :] + jax.random.gumbel(key, (sequences, num_items), jnp.float32)
+  if window is not None:
+    inside = (window >= 0) & (window < num_items)
+    rows = jnp.broadcast_to(jnp.arange(sequences)[:, None], window.shape)
+    scores = scores.at[rows, jnp.where(inside, window, num_items)].set(-jnp.inf, mode="drop")
+  top, ids = jax.lax.top_k(scores, k)
+  ids = ids.astype(jnp.int32)
+  return Negatives(ids, jnp.isfinite(top), math.log(k) + log_q[ids])
 
 
 def draw_catalog_negatives(key, shape, *, num_items: int, cumulative=None) -> Negatives:
@@ -370,6 +419,14 @@ def sampled_loss(hidden, table, targets, weights, negatives: Negatives, *, bias=
   if negatives.ids.ndim == 1:  # One set for the batch: one matmul.
     x_neg = jnp.einsum("td,kd->tk", h, neg_rows, preferred_element_type=jnp.float32)
     neg_ids = negatives.ids[None, :]
+  elif loss.negatives_per == "sequence":  # One set per sequence: one matmul per sequence.
+    sequences, k = negatives.ids.shape
+    per_token = lambda a: jnp.broadcast_to(  # noqa: E731  [B, k] -> [T, k]
+        a[:, None, :], (sequences, h.shape[0] // sequences, k)).reshape(-1, k)
+    x_neg = jnp.einsum("bnd,bkd->bnk", h.reshape(sequences, -1, dim), neg_rows,
+                       preferred_element_type=jnp.float32).reshape(-1, k)
+    neg_ids, neg_bias = per_token(negatives.ids), per_token(neg_bias)
+    negatives = Negatives(neg_ids, per_token(negatives.valid), per_token(negatives.log_expected))
   else:
     x_neg = jnp.einsum("td,tkd->tk", h, neg_rows, preferred_element_type=jnp.float32)
     neg_ids = negatives.ids
@@ -423,10 +480,19 @@ def recipe_advice(loss_kind: str, item_bias: bool) -> str | None:
 
 
 def draw_negatives(key, loss: SampledLoss, targets, *, num_items: int,
-                   cumulative=None) -> Negatives:
-  """The step's negatives for `loss` (the catalog samplers, or the batch's target slots)."""
+                   cumulative=None, window=None) -> Negatives:
+  """The step's negatives for `loss` (the catalog samplers, or the batch's target slots).
+
+  `targets` is `[B, N, L]` (`[T, L]` without sequences); `window` the
+  `[B, W]` items of each sequence's window, read by "sequence" negatives
+  with `loss.exclude_window`.
+  """
   num_tokens = math.prod(targets.shape[:-1])
-  shape = negatives_shape(loss, num_tokens, targets.size)
+  shape = negatives_shape(loss, num_tokens, targets.size, targets.shape[0])
+  if loss.negatives_per == "sequence" and loss.kind != "in_batch":
+    return draw_sequence_negatives(
+        key, shape, num_items=num_items, window=window if loss.exclude_window else None,
+        cumulative=cumulative if loss.sampler == "popularity" else None)
   if loss.kind == "in_batch":
     return draw_batch_negatives(key, shape, targets, num_items=num_items,
                                 all_slots=loss.num_negatives is None)

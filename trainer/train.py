@@ -187,6 +187,7 @@ def sampled_settings(loss_config, num_items: int) -> sampled_lib.SampledLoss | N
   settings = sampled_lib.SampledLoss(
       kind=loss_config.kind, num_negatives=loss_config.get("num_negatives", 128),
       target_reduction=loss_config.target_reduction,
+      exclude_window=loss_config.get("exclude", "none") == "window",
       **{name: loss_config.get(name, defaults[name])
          for name in ("sampler", "logq", "gbce_t", "negatives_per")})
   if settings.kind == "gbce" and settings.num_negatives >= num_items:
@@ -244,8 +245,12 @@ def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings
   table = model.item_table  # [V_padded, D]: rows past num_items split the table evenly
   if settings.sampled is not None:
     key = jax.random.fold_in(dropout_key, sampled_lib.NEGATIVES_STREAM)
+    window = None
+    if settings.sampled.exclude_window:  # [B, N + L]: a sequence's inputs and last targets
+      window = window_exclude(batch["inputs"], batch["targets"], settings.num_items)[:, -1]
     negatives = sampled_lib.draw_negatives(key, settings.sampled, batch["targets"],
-                                           num_items=settings.num_items, cumulative=cumulative)
+                                           num_items=settings.num_items, cumulative=cumulative,
+                                           window=window)
     layout = sampled_lib.RowLayout(settings.mesh, settings.token_axes, settings.vocab_axis)
     return sampled_lib.sampled_loss(hidden, table, batch["targets"], batch["weights"],
                                     negatives, bias=model.output_bias,

@@ -55,6 +55,9 @@ def _hit_negatives(targets, shape, rng):
   flat = targets.reshape(-1, L)
   if len(shape) == 1:
     ids[0] = flat[2, 0]  # position 2's target
+  elif shape[0] == B:  # per sequence: a target of one of its positions
+    for b in range(B):
+      ids[b, 1] = targets[b, 2, 0]
   else:
     for t in range(0, flat.shape[0], 2):
       if flat[t, 0] >= 0:
@@ -69,6 +72,9 @@ def reference(hidden, table, bias, targets, weights, ids, valid, log_expected, *
   logits = h @ np.asarray(table, np.float64).T + np.asarray(bias, np.float64)  # [T, V]
   flat_targets = np.asarray(targets).reshape(h.shape[0], -1)
   w = np.asarray(weights, np.float64).reshape(-1)
+  if np.ndim(ids) == 2 and np.shape(ids)[0] != h.shape[0]:  # per sequence: each position's
+    ids, valid, log_expected = (np.repeat(np.asarray(a), h.shape[0] // np.shape(a)[0], axis=0)
+                                for a in (ids, valid, log_expected))
   ids, valid, log_expected = (np.broadcast_to(np.asarray(a), (h.shape[0], np.shape(ids)[-1]))
                               for a in (ids, valid, log_expected))
   total, weight = 0.0, 0.0
@@ -102,14 +108,15 @@ def _run(loss, hidden, table, bias, targets, weights, negatives):
 CASES = [("sampled_softmax", "batch", False, "sum"), ("sampled_softmax", "position", True, "sum"),
          ("sampled_softmax", "batch", True, "mean"), ("gbce", "batch", False, "sum"),
          ("gbce", "position", False, "sum"), ("in_batch", "batch", True, "sum"),
-         ("in_batch", "position", False, "mean")]
+         ("in_batch", "position", False, "mean"), ("sampled_softmax", "sequence", True, "sum"),
+         ("gbce", "sequence", False, "sum")]
 
 
 @pytest.mark.parametrize("kind,per,logq,target_reduction", CASES)
 def test_each_sampled_loss_equals_the_dense_reference(kind, per, logq, target_reduction):
   hidden, table, bias, targets, weights = _inputs()
   rng = np.random.default_rng(1)
-  shape = (K,) if per == "batch" else (B * N, K)
+  shape = {"batch": (K,), "sequence": (B, K), "position": (B * N, K)}[per]
   loss = _sampled(kind, negatives_per=per, logq=logq, gbce_t=0.6,
                   target_reduction=target_reduction)
   if kind == "in_batch":
@@ -323,7 +330,8 @@ def _mesh_config(data_dir, mesh):
 STEP_KINDS = [dict(kind="sampled_softmax", sampler="popularity", logq=True,
                    negatives_per="position"),
               dict(kind="gbce", negatives_per="batch"),
-              dict(kind="in_batch", logq=True, negatives_per="batch", num_negatives=None)]
+              dict(kind="in_batch", logq=True, negatives_per="batch", num_negatives=None),
+              dict(kind="sampled_softmax", negatives_per="sequence", exclude="window")]
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +374,8 @@ def _step_loss_and_grads(config, data, batch, step):
   return jax.device_get((value, stats, grads))
 
 
-@pytest.mark.parametrize("options", STEP_KINDS, ids=lambda o: o["kind"])
+@pytest.mark.parametrize("options", STEP_KINDS,
+                         ids=lambda o: o["kind"] + "-" + o.get("negatives_per", ""))
 def test_the_step_on_one_device_equals_the_2x4_mesh(smoke_data_dir, smoke_batch, options):
   data, batch = smoke_batch
   results = {}
@@ -487,7 +496,12 @@ EIGHT = config_keys.Context(8)
     (dict(kind="gbce", gbce_t=1.5), "config.loss.gbce_t=1.5: a finite number in [0, 1]"),
     (dict(kind="gbce", num_negatives=0), "config.loss.num_negatives=0: None or an integer >= 1"),
     (dict(kind="sampled_softmax", negatives_per="user"), "config.loss.negatives_per='user': "
-     "one of 'batch', 'position'"),
+     "one of 'batch', 'sequence', 'position'"),
+    (dict(kind="in_batch", negatives_per="sequence"), "config.loss.kind='in_batch': "
+     "'sampled_softmax' or 'gbce' to use config.loss.negatives_per='sequence'"),
+    (dict(kind="sampled_softmax", negatives_per="position", exclude="window"),
+     "config.loss.kind='sampled_softmax': 'bce', 'softmax_ce', or 'sampled_softmax' or 'gbce' "
+     "with config.loss.negatives_per='sequence' to use config.loss.exclude='window'"),
     (dict(kind="gbce", num_negatives=None), "config.loss.num_negatives=None: an integer >= 1 "
      "with config.loss.kind='gbce'"),
     (dict(kind="in_batch", num_negatives=None, negatives_per="position"),
@@ -499,7 +513,7 @@ EIGHT = config_keys.Context(8)
     (dict(kind="gbce", focal_gamma=2.0), "config.loss.kind='gbce': 'bce' or 'softmax_ce' to "
      "use config.loss.focal_gamma"),
     (dict(kind="sampled_softmax", exclude="window"), "config.loss.kind='sampled_softmax': "
-     "'bce' or 'softmax_ce' to use config.loss.exclude='window'"),
+     "'bce', 'softmax_ce', or 'sampled_softmax' or 'gbce' with"),
     (dict(kind="in_batch", vocab_reduction="mean"), "config.loss.kind='in_batch': 'bce' or "
      "'softmax_ce' to use config.loss.vocab_reduction='mean'"),
     (dict(kind="gbce", target_reduction="mean"), "config.loss.target_reduction='mean': 'sum' "
@@ -516,7 +530,8 @@ def test_config_errors_name_the_key(change, message):
 @pytest.mark.parametrize("change", [
     dict(kind="sampled_softmax", sampler="popularity", logq=True, target_reduction="mean"),
     dict(kind="gbce", sampler="popularity", negatives_per="position", gbce_t=0.0),
-    dict(kind="in_batch", num_negatives=None, logq=True)])
+    dict(kind="in_batch", num_negatives=None, logq=True),
+    dict(kind="sampled_softmax", negatives_per="sequence", exclude="window", num_negatives=64)])
 def test_good_sampled_configs_pass(change):
   config = smoke.get_config()
   config.loss.update(**change)
@@ -552,3 +567,49 @@ def test_popularity_step_needs_its_table():
   assert train_lib.needs_item_counts(settings)
   with pytest.raises(ValueError, match="needs the item counts"):
     train_lib.jit_train_step(None, None, None, settings, None)
+
+
+def test_sequence_negatives_are_distinct_and_outside_the_window():
+  # SASRec+'s draw: k distinct items per sequence, none of its window's;
+  # where fewer than k are allowed, the rest are masked.
+  window = np.full((3, 40), -1, np.int32)
+  window[0, :5] = [3, 3, 7, 36, 0]  # a repeat, the last item, padding after
+  window[1, :34] = np.arange(34)  # 3 items left: 34, 35, 36
+  loss = _sampled("sampled_softmax", k=5, negatives_per="sequence", exclude_window=True)
+  targets = np.zeros((3, 4, 1), np.int32)
+  draws = sampled.draw_negatives(jax.random.key(0), loss, jnp.asarray(targets), num_items=V,
+                                 window=jnp.asarray(window))
+  ids, valid = np.asarray(draws.ids), np.asarray(draws.valid)
+  assert ids.shape == (3, 5)
+  for row, ok, items in zip(ids, valid, window):
+    assert len(set(row.tolist())) == 5
+    outside = ~np.isin(row, items[items >= 0])
+    np.testing.assert_array_equal(ok, outside)
+  assert valid[0].all() and valid[2].all() and sorted(ids[1][valid[1]]) == [34, 35, 36]
+  np.testing.assert_allclose(np.asarray(draws.log_expected), math.log(5 / V), rtol=1e-6)
+  # Without exclude_window the window is not read.
+  plain = sampled.draw_negatives(jax.random.key(0), loss._replace(exclude_window=False),
+                                 jnp.asarray(targets), num_items=V, window=jnp.asarray(window))
+  assert np.asarray(plain.valid).all()
+
+
+def test_sequence_negatives_are_uniform_or_by_popularity():
+  # Uniform: every allowed item in a k-subset with probability k / allowed.
+  draws = 4000
+  loss = _sampled("sampled_softmax", k=6, negatives_per="sequence", exclude_window=True)
+  window = np.tile(np.array([[0, 1, 2]], np.int32), (draws, 1))
+  got = sampled.draw_negatives(jax.random.key(1), loss, jnp.zeros((draws, 1, 1), jnp.int32),
+                               num_items=V, window=jnp.asarray(window))
+  freq = np.bincount(np.asarray(got.ids).ravel(), minlength=V) / draws
+  assert freq[:3].sum() == 0
+  np.testing.assert_allclose(freq[3:], 6 / (V - 3), atol=0.03)
+  # Popularity, one draw a sequence: in proportion to the counts.
+  counts = np.arange(1, V + 1)
+  cumulative = sampled.cumulative_counts(counts, V)
+  one = loss._replace(num_negatives=1, sampler="popularity", exclude_window=False)
+  got = sampled.draw_negatives(jax.random.key(2), one, jnp.zeros((draws, 1, 1), jnp.int32),
+                               num_items=V, cumulative=jnp.asarray(cumulative))
+  freq = np.bincount(np.asarray(got.ids).ravel(), minlength=V) / draws
+  np.testing.assert_allclose(freq, counts / counts.sum(), atol=0.012)
+  np.testing.assert_allclose(np.asarray(got.log_expected),
+                             np.log(counts / counts.sum())[np.asarray(got.ids)], rtol=1e-5)

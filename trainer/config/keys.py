@@ -50,7 +50,7 @@ _INT32_IDS = schema.Range(1, 2**31 - 1)
 # The sampled baselines' settings (`trainer/sampled.py` imports them from here).
 SAMPLED_KINDS = ("sampled_softmax", "gbce", "in_batch")
 SAMPLERS = ("uniform", "popularity")
-NEGATIVES_PER = ("batch", "position")
+NEGATIVES_PER = ("batch", "sequence", "position")
 LOSS_KINDS = ("bce", "softmax_ce") + SAMPLED_KINDS
 _SOFTMAX_KINDS = ("softmax_ce", "sampled_softmax", "in_batch")
 
@@ -203,7 +203,8 @@ KEYS: tuple[schema.Key, ...] = (
     key("loss.sampler", STR, one_of(*SAMPLERS), "sampled_softmax, gbce: negatives "
         "drawn uniformly over the catalog or in proportion to the items' training counts"),
     key("loss.negatives_per", STR, one_of(*NEGATIVES_PER), "sampled kinds: one set "
-        "of k negatives shared by every position of the batch, or k per position"),
+        "of k negatives shared by every position of the batch, k distinct ones per sequence "
+        "(without replacement; SASRec+'s draw), or k per position"),
     key("loss.logq", BOOL, None, "sampled_softmax, in_batch: subtract log(k q(item)) from "
         "each negative's logit (q: the probability the sampler draws the item)"),
     key("loss.gbce_t", FLOAT, unit(), "gbce: calibration t; beta = 1 + t (k / (V - 1) - 1) "
@@ -417,9 +418,15 @@ def _sampled_has_no_variants(values, context):
   if on:
     return (f"'bce' or 'softmax_ce' to use {', '.join('config.' + k for k in on)} (the "
             "sampled losses take no loss variant)")
-  if values["loss.exclude"] != "none":
-    return (f"'bce' or 'softmax_ce' to use config.loss.exclude={values['loss.exclude']!r} "
-            "(the sampled losses mask only negatives equal to a target)")
+  if kind == "in_batch" and values["loss.negatives_per"] == "sequence":
+    return ("'sampled_softmax' or 'gbce' to use config.loss.negatives_per='sequence' (in_batch "
+            "draws the batch's target slots: per 'batch' or per 'position')")
+  if values["loss.exclude"] != "none" and (kind == "in_batch"
+                                           or values["loss.negatives_per"] != "sequence"):
+    return (f"'bce', 'softmax_ce', or 'sampled_softmax' or 'gbce' with "
+            f"config.loss.negatives_per='sequence' to use config.loss.exclude="
+            f"{values['loss.exclude']!r} (the other sampled draws mask only negatives equal "
+            "to a target)")
   if values["loss.vocab_reduction"] != "sum":
     return ("'bce' or 'softmax_ce' to use config.loss.vocab_reduction='mean' (a sampled "
             "loss sums over its sampled items)")
@@ -691,9 +698,11 @@ RULES: tuple[Rule, ...] = (
          "'softmax_ce', 'sampled_softmax' or 'in_batch')"),
     Rule(name="sampled_has_no_variants",
          keys=("loss.kind", "loss.pos_weight", "loss.label_smoothing", "loss.logit_soft_cap",
-               "loss.focal_gamma", "loss.focal_alpha", "loss.exclude", "loss.vocab_reduction"),
+               "loss.focal_gamma", "loss.focal_alpha", "loss.exclude", "loss.vocab_reduction",
+               "loss.negatives_per"),
          check=_sampled_has_no_variants,
-         doc="the sampled kinds take no loss variant, `loss.exclude=\"none\"` and "
+         doc="the sampled kinds take no loss variant, `loss.exclude=\"none\"` (except "
+         "'sampled_softmax' and 'gbce' with `loss.negatives_per=\"sequence\"`) and "
          "`loss.vocab_reduction=\"sum\"`"),
     Rule(name="num_negatives_fits", keys=("loss.num_negatives", "loss.kind",
                                           "loss.negatives_per"),
