@@ -13,10 +13,11 @@ Two commands, each writing JSON under `--out`:
             9 minutes, each part with its own time limit so the later ones
             still run:
             0. quality ML-1M runs of QUALITY_GRID (--runs; by default
-                       NEXT_RUNS, those not measured yet: issue 29's
-                       exclusion seeds, issue 33's sampled baselines), one
-                       process each, all at once on this GPU (mesh data=1,
-                       the configs' global batch), cut at --quality-s.
+                       NEXT_RUNS, eight not measured yet: issue 39's SASRec+
+                       replicas and the exclusion's seeds; LATER_RUNS
+                       next), one process each, all at once on this GPU
+                       (mesh data=1, the configs' global batch), cut at
+                       --quality-s.
             1. tests   the fast GPU subset (test_mosaic.py and test_gpu.py,
                        whose Mosaic and Triton kernels run compiled on a GPU;
                        the compile tests for the attached GPU's twins),
@@ -331,16 +332,22 @@ QUALITY_GRID += (
     ("gsasrec_seed1", "configs/ml1m_gsasrec.py", ["seed=1"]),
     ("gsasrec_seed2", "configs/ml1m_gsasrec.py", ["seed=2"]),
 )
-# The runs a plain `device` call makes: what the grid has not measured yet.
-NEXT_RUNS = ("replica_seed0", "replica_seed1", "replica_seed2", "a_sasrec_block_seed0",
-             "a_from_first_seed0", "a_init_seed0", "a_no_clip_seed0",
-             "a_4000_steps_seed0", "replica_3000_seed0", "replica_3000_seed1",
-             "replica_3000_seed2", "gsasrec_seed0", "gsasrec_seed1", "gsasrec_seed2",
-             "ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2",
-             "best_sampled_softmax_k128_seed0", "best_sampled_softmax_k1024_seed0",
-             "best_sampled_softmax_k128_pop_logq_seed0", "best_sampled_softmax_k128_pop_seed0",
-             "best_gbce_k256_seed0", "best_gbce_k256_item_bias_seed0",
-             "bce_capacity_item_bias_seed0")
+# The runs a plain `device` call makes: eight at a time (eight shared one H200
+# in 190-250 s), the first of what the grid has not measured yet: issue 39's
+# replicas of SASRec+ (full softmax, and its 3,000 negatives) and the
+# exclusion's seeds on the best recipe. LATER_RUNS wait for the next device
+# (--runs names them): the replica's changes one at a time, issue 33's
+# sampled baselines on the best recipe, and gSASRec (90,000 steps each: give
+# it --quality-s to match).
+NEXT_RUNS = ("replica_seed0", "replica_seed1", "replica_seed2", "replica_3000_seed0",
+             "replica_3000_seed1", "replica_3000_seed2", "ce_capacity_exclude_seed1",
+             "ce_capacity_exclude_seed2")
+LATER_RUNS = ("a_sasrec_block_seed0", "a_from_first_seed0", "a_init_seed0", "a_no_clip_seed0",
+              "a_4000_steps_seed0", "best_sampled_softmax_k128_seed0",
+              "best_sampled_softmax_k1024_seed0", "best_sampled_softmax_k128_pop_logq_seed0",
+              "best_sampled_softmax_k128_pop_seed0", "best_gbce_k256_seed0",
+              "best_gbce_k256_item_bias_seed0", "bce_capacity_item_bias_seed0",
+              "gsasrec_seed0", "gsasrec_seed1", "gsasrec_seed2")
 
 
 def part_quality(out: pathlib.Path, limit_s: int, names) -> dict:
