@@ -324,6 +324,10 @@ QUALITY_GRID += (
     ("a_init_seed0", SASREC_PLUS, ["seed=0", "model.init='sasrec_plus'"]),
     ("a_no_clip_seed0", SASREC_PLUS, ["seed=0", "optimizer.clip_norm=None"]),
     ("a_4000_steps_seed0", SASREC_PLUS, ["seed=0", "train_steps=4000"]),
+    # The best recipe (B) on the replica's model: does the gain carry over?
+    ("best_replica_model_seed0", BEST,
+     ["seed=0", "model.block='sasrec'", "model.positions='from_first'",
+      "model.init='sasrec_plus'", "optimizer.clip_norm=None"]),
     ("replica_3000_seed0", "configs/ml1m_sasrec_plus_3000.py", ["seed=0"]),
     ("replica_3000_seed1", "configs/ml1m_sasrec_plus_3000.py", ["seed=1"]),
     ("replica_3000_seed2", "configs/ml1m_sasrec_plus_3000.py", ["seed=2"]),
@@ -343,7 +347,7 @@ NEXT_RUNS = ("replica_seed0", "replica_seed1", "replica_seed2", "replica_3000_se
              "replica_3000_seed1", "replica_3000_seed2", "ce_capacity_exclude_seed1",
              "ce_capacity_exclude_seed2")
 LATER_RUNS = ("a_sasrec_block_seed0", "a_from_first_seed0", "a_init_seed0", "a_no_clip_seed0",
-              "a_4000_steps_seed0", "best_sampled_softmax_k128_seed0",
+              "a_4000_steps_seed0", "best_replica_model_seed0", "best_sampled_softmax_k128_seed0",
               "best_sampled_softmax_k1024_seed0", "best_sampled_softmax_k128_pop_logq_seed0",
               "best_sampled_softmax_k128_pop_seed0", "best_gbce_k256_seed0",
               "best_gbce_k256_item_bias_seed0", "bce_capacity_item_bias_seed0",
