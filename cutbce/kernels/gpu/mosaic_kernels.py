@@ -64,6 +64,13 @@ WARPGROUPS = "warpgroups"  # the thread axis of a warp-specialized kernel
 # rows) 728 B held, 1,128-1,224 B per tile (ptxas' choices, not a model).
 MAX_HELD_LIST_ROWS = 14
 _TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+# The sweep does a tile's elementwise work (exp, reciprocal, masks, G's pieces
+# stored) this many columns at a time: the registers of one chunk's temporaries
+# are live at once, not the whole tile's. Compiled for sm_90a (bf16, D = 64,
+# 128-column tiles, 4 targets, bias, 2 excluded ids): 404 B of spills in one
+# 128-column pass, 32 B in 64-column chunks with jax 0.12; 0 B both ways with
+# jax 0.10.2. 64 is the smallest: G's shared memory is tiled 64 columns wide.
+ELEMENTWISE_COLUMNS = 64
 
 
 class Flags(NamedTuple):
@@ -183,12 +190,20 @@ def _grad_tile(kind, logits, columns, geom, side):
   return softmax_grad_tile(logits, columns, geom, side)
 
 
-def _store_pieces(grad, smem_refs):
+def _store_pieces(grad, smem_refs, commit=True):
   """G split into bfloat16 pieces (`pieces.iter_pieces`), into the shared memory the next
   dot reads, each stored as soon as it is made."""
   for ref, piece in zip(smem_refs, pieces.iter_pieces(grad, len(smem_refs), smem_refs[0].dtype)):
     ref[...] = piece
-  plgpu.commit_smem()
+  if commit:
+    plgpu.commit_smem()
+
+
+def _column_chunks(width: int) -> list:
+  """The column slices of a `[64, width]` logit tile whose elementwise work is done one
+  after the other (`ELEMENTWISE_COLUMNS` wide)."""
+  step = min(ELEMENTWISE_COLUMNS, width)
+  return [slice(start, start + step) for start in range(0, width, step)]
 
 
 def _smem(shape, dtype=jnp.bfloat16, tiled=False):
@@ -278,21 +293,25 @@ def _sweep_logits(hidden_tile, table_tile, bias_slot_ref, tile_start, geom: Geom
 def _sweep_update(carry, logits, columns, table_tile, grad_smem, geom: Geometry, flags: Flags,
                   values: dict, interpret: bool):
   """The carry after one tile: softmax (max, sum, counts), or BCE / softmax-backward (loss,
-  counts, dh), dh += G E read from `table_tile` (G staged in `grad_smem`)."""
+  counts, dh), dh += G E read from `table_tile` (G staged in `grad_smem`), the elementwise
+  work `ELEMENTWISE_COLUMNS` columns at a time."""
   if flags.kind == "softmax" and flags.with_loss:
     return _softmax_step(carry, logits, columns, geom, values, flags.with_counts)
   loss, counts, dh = carry
-  tile_loss, tile_counts, grad = (
-      bce_tile(logits, columns, geom, values, with_loss=flags.with_loss,
-               with_counts=flags.with_counts, with_grad=flags.with_grad)
-      if flags.kind == "bce" else (None, None, softmax_grad_tile(logits, columns, geom,
-                                                                 values)))
-  if flags.with_loss:
-    loss = loss + tile_loss
-  if flags.with_counts:
-    counts = counts + tile_counts
+  for chunk in _column_chunks(geom.block_v):
+    tile_loss, tile_counts, grad = (
+        bce_tile(logits[:, chunk], columns[:, chunk], geom, values, with_loss=flags.with_loss,
+                 with_counts=flags.with_counts, with_grad=flags.with_grad)
+        if flags.kind == "bce" else (None, None, softmax_grad_tile(
+            logits[:, chunk], columns[:, chunk], geom, values)))
+    if flags.with_loss:
+      loss = loss + tile_loss
+    if flags.with_counts:
+      counts = counts + tile_counts
+    if flags.with_grad:  # G's columns of this chunk, into its pieces' shared memory
+      _store_pieces(grad, [ref.at[:, chunk] for ref in grad_smem], commit=False)
   if flags.with_grad:
-    _store_pieces(grad, grad_smem)
+    plgpu.commit_smem()
     dh = ops.dot_acc(dh, grad_smem, table_tile, pieces.PRODUCTS[geom.pieces],
                      interpret)  # [64, Dp] f32
   return loss, counts, dh
@@ -328,7 +347,7 @@ def _sweep_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
   block_v, stages = geom.block_v, geom.stages
   hidden_refs, table_refs, bias_ref, side_refs, out_refs = _sweep_refs(refs, geom, flags, side)
   (hidden_smem, table_smem, bias_smem, side_smem, grad_smem, dh_smem, sums_smem,
-   resident_barrier, stream_barriers, _) = scratch
+   resident_barrier, stream_barrier, _) = scratch
 
   token_start = lax.axis_index("tokens") * BLOCK_T
   split, first, num_tiles = _split_tiles(geom)
@@ -337,26 +356,24 @@ def _sweep_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
   resident = [(ref.at[tokens], smem) for ref, smem in zip(hidden_refs, hidden_smem)]
   resident += [(_side_source(side_refs[name], name, side, tokens), side_smem[name])
                for name in side.names]
-  for index, (src, dst) in enumerate(resident):
-    plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[index])
+  for src, dst in resident:
+    plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[0])
 
   def issue(tile, slot):  # table tile `first + tile` (and its bias) into buffer `slot`
     rows = pl.ds((first + tile) * block_v, block_v)
-    for ref, smem, barrier in zip(table_refs, table_smem, stream_barriers):
-      plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], barrier.at[slot])
+    for ref, smem in zip(table_refs, table_smem):
+      plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], stream_barrier.at[slot])
     if flags.has_bias:
-      plgpu.copy_gmem_to_smem(bias_ref.at[rows], bias_smem.at[slot], stream_barriers[-1].at[slot])
+      plgpu.copy_gmem_to_smem(bias_ref.at[rows], bias_smem.at[slot], stream_barrier.at[slot])
 
   for slot in range(stages):
     pl.when(slot < num_tiles)(functools.partial(issue, slot, slot))
-  for index in range(len(resident)):
-    plgpu.barrier_wait(resident_barrier.at[index])
+  plgpu.barrier_wait(resident_barrier.at[0])
   values = _load_side(side_smem, side, interpret)  # resident: read once
 
   def step(tile, carry):
     slot = lax.rem(tile, stages)
-    for barrier in stream_barriers:
-      plgpu.barrier_wait(barrier.at[slot])
+    plgpu.barrier_wait(stream_barrier.at[slot])
     table_tile = [smem.at[slot] for smem in table_smem]
     logits, columns = _sweep_logits(hidden_smem, table_tile,
                                     bias_smem.at[slot] if flags.has_bias else None,
@@ -388,7 +405,7 @@ def _sweep_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
   block_v, stages, consumers = geom.block_v, geom.stages, geom.consumers
   hidden_refs, table_refs, bias_ref, side_refs, out_refs = _sweep_refs(refs, geom, flags, side)
   (hidden_smem, table_smem, bias_smem, side_smem, grad_smem, dh_smem, sums_smem,
-   resident_barrier, stream_barriers, consumed_barrier) = scratch
+   resident_barrier, stream_barrier, consumed_barrier) = scratch
   warpgroup = lax.axis_index(WARPGROUPS)
   split, first, num_tiles = _split_tiles(geom)
 
@@ -401,11 +418,9 @@ def _sweep_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
     resident = [(ref.at[tokens], smem) for ref, smem in zip(hidden_refs, hidden_tile)]
     resident += [(_side_source(side_refs[name], name, side, tokens), own_side[name])
                  for name in side.names]
-    base = warpgroup * len(resident)
-    for index, (src, dst) in enumerate(resident):
-      plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[base + index])
-    for index in range(len(resident)):
-      plgpu.barrier_wait(resident_barrier.at[base + index])
+    for src, dst in resident:
+      plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[warpgroup])
+    plgpu.barrier_wait(resident_barrier.at[warpgroup])
     own_grad = [smem.at[warpgroup] for smem in grad_smem] if flags.with_grad else None
     # The per-token operands are read once and held, unless the lists are long: then
     # those are read from shared memory at every tile (`MAX_HELD_LIST_ROWS`).
@@ -414,8 +429,7 @@ def _sweep_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
 
     def step(tile, carry):
       slot = lax.rem(tile, stages)
-      for barrier in stream_barriers:
-        plgpu.barrier_wait(barrier.at[slot])
+      plgpu.barrier_wait(stream_barrier.at[slot])
       table_tile = [smem.at[slot] for smem in table_smem]
       logits, columns = _sweep_logits(hidden_tile, table_tile,
                                       bias_smem.at[slot] if flags.has_bias else None,
@@ -436,10 +450,10 @@ def _sweep_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
 
   def issue(tile, slot):  # table tile `first + tile` (and its bias) into buffer `slot`
     rows = pl.ds((first + tile) * block_v, block_v)
-    for ref, smem, barrier in zip(table_refs, table_smem, stream_barriers):
-      plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], barrier.at[slot])
+    for ref, smem in zip(table_refs, table_smem):
+      plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], stream_barrier.at[slot])
     if flags.has_bias:
-      plgpu.copy_gmem_to_smem(bias_ref.at[rows], bias_smem.at[slot], stream_barriers[-1].at[slot])
+      plgpu.copy_gmem_to_smem(bias_ref.at[rows], bias_smem.at[slot], stream_barrier.at[slot])
 
   pl.when(warpgroup == consumers)(
       lambda: _produce(issue, num_tiles, stages, consumed_barrier))
@@ -498,8 +512,11 @@ def _sweep_scratch(geom: Geometry, flags: Flags, side: Side):
       if flags.with_grad else None,  # G pieces
       _smem((*own, BLOCK_T, dim), jnp.float32) if flags.with_grad else None,  # dh staging
       _smem((*own, 3, BLOCK_T), jnp.float32),  # row sums staging
-      plgpu.Barrier(num_barriers=resident_copies * geom.consumers),
-      [plgpu.Barrier(num_barriers=stages) for _ in range(num_pieces + flags.has_bias)],
+      # One barrier per consumer for its resident copies, one per slot for a tile's
+      # streamed copies: each copy arrives on it (few barriers: their shared memory
+      # addresses are made once and held in registers).
+      plgpu.Barrier(num_arrivals=resident_copies, num_barriers=geom.consumers),
+      plgpu.Barrier(num_arrivals=num_pieces + flags.has_bias, num_barriers=stages),
       # A slot is consumed once every consumer has read it (warp-specialized only).
       plgpu.Barrier(num_arrivals=geom.consumers, num_barriers=stages)
       if geom.consumers > 1 else None,
@@ -574,15 +591,15 @@ def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
   table_grad_ref = refs.pop(0)  # [Vp, Dp] f32
   bias_grad_ref = refs.pop(0) if has_bias else None  # [Vp] f32
   (table_smem, bias_smem, hidden_smem, side_smem, grad_smem, table_grad_smem, bias_grad_smem,
-   resident_barrier, stream_barriers, _) = scratch
+   resident_barrier, stream_barrier, _) = scratch
 
   vocab_start = lax.axis_index("vocab") * TABLE_BLOCK_V
   rows = pl.ds(vocab_start, TABLE_BLOCK_V)
   resident = [(ref.at[rows], smem) for ref, smem in zip(table_refs, table_smem)]
   if has_bias:
     resident.append((bias_ref.at[rows], bias_smem))
-  for index, (src, dst) in enumerate(resident):
-    plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[index])
+  for src, dst in resident:
+    plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[0])
 
   # Streams, one barrier array each: the hidden pieces, then the token side.
   streams = [(functools.partial(lambda r, tokens: r.at[tokens], ref), smem)
@@ -592,21 +609,19 @@ def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
 
   def issue(tile, slot):  # token tile `tile` into buffer `slot`
     tokens = pl.ds(tile * BLOCK_T, BLOCK_T)
-    for (source, smem), barrier in zip(streams, stream_barriers):
-      plgpu.copy_gmem_to_smem(source(tokens), smem.at[slot], barrier.at[slot])
+    for source, smem in streams:
+      plgpu.copy_gmem_to_smem(source(tokens), smem.at[slot], stream_barrier.at[slot])
 
   num_tiles = geom.num_token_tiles
   for slot in range(min(stages, num_tiles)):
     issue(slot, slot)
-  for index in range(len(resident)):
-    plgpu.barrier_wait(resident_barrier.at[index])
+  plgpu.barrier_wait(resident_barrier.at[0])
   bias = ops.load_vector(bias_smem, ops.COLUMNS, interpret) if has_bias else None
 
   def step(tile, carry):
     table_grad, bias_grad = carry
     slot = lax.rem(tile, stages)
-    for barrier in stream_barriers:
-      plgpu.barrier_wait(barrier.at[slot])
+    plgpu.barrier_wait(stream_barrier.at[slot])
     table_grad, bias_grad = _table_update(
         (table_grad, bias_grad), [smem.at[slot] for smem in hidden_smem], table_smem,
         grad_smem, bias, vocab_start, _load_side(side_smem, side, interpret, slot), geom,
@@ -643,7 +658,7 @@ def _table_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
   table_grad_ref = refs.pop(0)  # [Vp, Dp] f32
   bias_grad_ref = refs.pop(0) if has_bias else None  # [Vp] f32
   (table_smem, bias_smem, hidden_smem, side_smem, grad_smem, table_grad_smem, bias_grad_smem,
-   resident_barrier, stream_barriers, consumed_barrier) = scratch
+   resident_barrier, stream_barrier, consumed_barrier) = scratch
   warpgroup = lax.axis_index(WARPGROUPS)
   num_tiles = geom.num_token_tiles
 
@@ -656,11 +671,9 @@ def _table_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
     resident = [(ref.at[rows], smem) for ref, smem in zip(table_refs, own_table)]
     if has_bias:
       resident.append((bias_ref.at[rows], bias_smem.at[warpgroup]))
-    base = warpgroup * len(resident)
-    for index, (src, dst) in enumerate(resident):
-      plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[base + index])
-    for index in range(len(resident)):
-      plgpu.barrier_wait(resident_barrier.at[base + index])
+    for src, dst in resident:
+      plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[warpgroup])
+    plgpu.barrier_wait(resident_barrier.at[warpgroup])
     bias = (ops.load_vector(bias_smem.at[warpgroup], ops.COLUMNS, interpret) if has_bias
             else None)
     own_grad = [smem.at[warpgroup] for smem in grad_smem]
@@ -668,8 +681,7 @@ def _table_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
     def step(tile, carry):
       table_grad, bias_grad = carry
       slot = lax.rem(tile, stages)
-      for barrier in stream_barriers:
-        plgpu.barrier_wait(barrier.at[slot])
+      plgpu.barrier_wait(stream_barrier.at[slot])
       table_grad, bias_grad = _table_update(
           (table_grad, bias_grad), [smem.at[slot] for smem in hidden_smem], own_table,
           own_grad, bias, vocab_start, _load_side(side_smem, side, interpret, slot), geom,
@@ -696,8 +708,8 @@ def _table_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
 
   def issue(tile, slot):  # token tile `tile` into buffer `slot`
     tokens = pl.ds(tile * BLOCK_T, BLOCK_T)
-    for (source, smem), barrier in zip(streams, stream_barriers):
-      plgpu.copy_gmem_to_smem(source(tokens), smem.at[slot], barrier.at[slot])
+    for source, smem in streams:
+      plgpu.copy_gmem_to_smem(source(tokens), smem.at[slot], stream_barrier.at[slot])
 
   pl.when(warpgroup == consumers)(
       lambda: _produce(issue, num_tiles, stages, consumed_barrier))
@@ -716,8 +728,8 @@ def _table_scratch(geom: Geometry, flags: Flags, side: Side):
       [_smem((*own, BLOCK_T, TABLE_BLOCK_V), tiled=True) for _ in range(num_pieces)],  # G pieces
       _smem((*own, TABLE_BLOCK_V, dim), jnp.float32),  # dE staging
       _smem((*own, TABLE_BLOCK_V), jnp.float32) if flags.has_bias else None,  # db staging
-      plgpu.Barrier(num_barriers=(num_pieces + flags.has_bias) * geom.table_consumers),
-      [plgpu.Barrier(num_barriers=stages) for _ in range(num_pieces + len(side.names))],
+      plgpu.Barrier(num_arrivals=num_pieces + flags.has_bias, num_barriers=geom.table_consumers),
+      plgpu.Barrier(num_arrivals=num_pieces + len(side.names), num_barriers=stages),
       # A slot is consumed once every consumer has read it (warp-specialized only).
       plgpu.Barrier(num_arrivals=geom.table_consumers, num_barriers=stages)
       if geom.table_consumers > 1 else None,

@@ -46,10 +46,17 @@ class KernelReport:
     return sum(self.mufu.values())
 
 
+# One line per compiled function of a ptxas `-v` report. The spill figures are
+# also repeated by a "Registers are spilled" warning wherever they are not 0:
+# read from this line only, they are counted once.
+_FUNCTION_PROPERTIES = re.compile(
+    r"^\s*\d+ bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", re.MULTILINE)
+
+
 def parse_ptxas(text: str) -> tuple[int, int]:
   """(registers, spill store + load bytes) of a ptxas `-v` report."""
   registers = int(re.search(r"Used (\d+) registers", text).group(1))
-  spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", text))
+  spills = sum(int(stores) + int(loads) for stores, loads in _FUNCTION_PROPERTIES.findall(text))
   return registers, spills
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import cutbce
-from cutbce.kernels.gpu import mosaic, mosaic_plan, targets
+from cutbce.kernels.gpu import mosaic, mosaic_kernels, mosaic_plan, targets
 from cutbce.kernels.gpu import pieces as gpu_pieces
 from cutbce.kernels.gpu import plan as gpu_plan
 from cutbce.kernels.tiling import TilePlan
@@ -60,6 +60,22 @@ def test_float32_matches_float64_and_runs_the_mosaic_kernels(one_pass):
   # The Mosaic kernels ran (not the Triton ones it delegates to).
   assert "cutbce_mosaic_sweep" in jaxpr and "cutbce_mosaic_table_grad" in jaxpr
   assert "cutbce_gpu_" not in jaxpr
+
+
+def test_wide_tiles_do_their_elementwise_work_in_chunks():
+  """bfloat16 with 128-column sweep tiles: two 64-column chunks, each storing its part of G
+  (a chunk stored over the other's columns, or its loss dropped: fails)."""
+  raw = cases.make_case(CASE, seed=4, logit_scale=2.0)
+  args = _jnp(raw, jnp.bfloat16)
+  kwargs = dict(num_items=NUM_ITEMS)
+  plan = TilePlan(block_v=128, block_t=64)
+  assert len(mosaic_kernels._column_chunks(plan.block_v)) == 2
+  value, stats, grads, _ = _run(cutbce.cut_bce, args, backend="pallas_gpu", plan=plan,
+                                one_pass=True, **kwargs)
+  dense_value, dense_stats, dense_grads, _ = _run(cutbce.dense_bce, args, **kwargs)
+  np.testing.assert_allclose(float(value), float(dense_value), rtol=2e-3)
+  _assert_grads(grads, dense_grads, 3e-2, 2e-2)
+  np.testing.assert_allclose(np.array(stats), np.array(dense_stats), rtol=5e-3, atol=2)
 
 
 def test_bfloat16_matches_dense_bfloat16():

@@ -36,13 +36,13 @@ from cutbce.kernels.gpu import ptx, targets  # noqa: E402
 pytestmark = pytest.mark.skipif(not targets.cuda_plugin_available(),
                                 reason="jax's CUDA plugin missing: make test-gpu")
 
-# ptxas gives every kernel 255 registers and, depending on how it schedules
-# the unrolled elementwise work, spills from 0 B (bfloat16 at D = 64) to
-# 704 B (bfloat16 at D = 128 with 8 fixed columns; float32 56-1,176 B, jax
-# 0.12's lowering the most):
-# kept within these bounds until a GPU run says whether it
-# matters (docs/kernels.md, "Mosaic GPU kernels").
-MAX_SPILL_BYTES = {"bfloat16": 768, "float32": 1536}
+# The warp-specialized consumers get 232 registers and ptxas spills a little
+# where the fixed columns are many or float32's six products and G's three
+# pieces are live (spill stores + loads, counted once; jax 0.10.2 / 0.12 at
+# these shapes: bf16 0-152 / 0-464 B, f32 0-348 / 0-668 B). Kept within these
+# bounds until a GPU run says whether they cost time (docs/kernels.md,
+# "Mosaic GPU kernels").
+MAX_SPILL_BYTES = {"bfloat16": 512, "float32": 768}
 
 # (target, T, V, D, dtype, L, bias, exclude, num_items)
 CASES = [
