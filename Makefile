@@ -75,4 +75,4 @@ bench: install
 	$(PY) benchmarks/loss_bench.py
 
 clean:
-	rm -rf $(VENV) $(VENV_NEXT) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_NEXT) $(VENV_GPU) .venv-gpu-next runs .pytest_cache

@@ -21,6 +21,8 @@ arithmetic, static rows "compiled for", measured rows "ran on".
 
     python benchmarks/gpu_roofline.py --out docs/results/gpu_roofline.json
     .venv-gpu/bin/python benchmarks/gpu_roofline.py --static --out docs/results/gpu_roofline.json
+    .venv-gpu-next/bin/python benchmarks/gpu_roofline.py --static \
+        --out docs/results/gpu_roofline_jax012.json   # the same kernels by jax 0.12
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def measured_rows(paths) -> dict:
 def static_rows() -> list:
   """The Mosaic kernels compiled for H200 at two shapes per dtype: their PTX and ptxas facts."""
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from cutbce.kernels.gpu import compiled as gpu_compiled  # pylint: disable=import-outside-toplevel
   from cutbce.kernels.gpu import mosaic_plan, ptx  # pylint: disable=import-outside-toplevel
@@ -111,7 +114,7 @@ def static_rows() -> list:
         # A warp-specialized kernel ("_ws") launches with ptxas' figure (65,536 / 384) and
         # gives its consumer warpgroups more with setmaxnreg (mosaic_plan).
         specialized = name.endswith("_ws")
-        rows.append({"compiled_for": "h200 (sm_90a)", "dtype": dtype, "tokens": tokens,
+        rows.append({"compiled_for": "h200 (sm_90a)", "jax": jax.__version__, "dtype": dtype, "tokens": tokens,
                      "vocab": vocab, "dim": dim, "kernel": name, "registers": report.registers,
                      "warp_specialized": specialized,
                      "consumer_registers": (mosaic_plan.CONSUMER_REGISTERS if specialized

@@ -58,10 +58,11 @@ SOFTMAX_FLOOR = float(jnp.finfo(jnp.float32).min)
 WARPGROUPS = "warpgroups"  # the thread axis of a warp-specialized kernel
 # A warp-specialized consumer holds its tokens' list rows (fixed ids and
 # values, excluded ids: two registers a thread each) across its loop up to
-# this many, else reads them at every tile. Compiled for sm_90a: bf16 at
-# D = 128 with 8 fixed columns (16 rows) spills 1,392 B held, 272-304 B read
-# per tile; f32 at D = 50 with 7 fixed columns (4 targets, 3 excluded: 14
-# rows) 728 B held, 1,128-1,224 B per tile (ptxas' choices, not a model).
+# this many, else reads them at every tile. Compiled for sm_90a (jax 0.10.2,
+# before the 64-column chunks): bf16 at D = 128 with 8 fixed columns (16 rows)
+# spills 696 B held, 136-152 B read per tile; f32 at D = 50 with 7 fixed
+# columns (4 targets, 3 excluded: 14 rows) 364 B held, 564-612 B per tile
+# (ptxas' choices, not a model).
 MAX_HELD_LIST_ROWS = 14
 _TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # The sweep does a tile's elementwise work (exp, reciprocal, masks, G's pieces
