@@ -86,7 +86,7 @@ def cost(names: list[str], repeats: int) -> dict:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {device_flag}".strip()
   sys.path.insert(0, str(ROOT))
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from benchmarks import loss_cost, ml1m_quality, train_bench  # pylint: disable=import-outside-toplevel
+  from benchmarks import ml1m_quality, train_bench  # pylint: disable=import-outside-toplevel
   from trainer import train as train_lib  # pylint: disable=import-outside-toplevel
   from trainer.config import mesh as config_mesh  # pylint: disable=import-outside-toplevel
 
@@ -104,19 +104,7 @@ def cost(names: list[str], repeats: int) -> dict:
     steps[name] = step
     print(f"{name:<32} temp {memory['temp_bytes_per_device'] / GIB:7.3f} GiB/device, peak "
           f"{memory['peak_bytes_per_device'] / GIB:7.3f} GiB/device", flush=True)
-  loss_cost._same_state(list(steps.values()))  # pylint: disable=protected-access
-  first = next(iter(steps.values()))
-  first.init()
-  state, first.state = first.state, None
-  batch = train_bench.random_batch(first, 0)
-  times = {name: [] for name in steps}
-  for round_index in range(repeats + 1):  # round 0 warms up
-    for name, step in steps.items():
-      step.state = state
-      seconds = step.run(batch)
-      state, step.state = step.state, None
-      if round_index:
-        times[name].append(seconds)
+  times, _ = train_bench.interleaved_times(steps, repeats)
   for name, t in times.items():
     out["losses"][name].update(step_s=[round(x, 4) for x in t],
                                median_step_s=round(float(np.median(t)), 4))

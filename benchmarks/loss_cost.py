@@ -101,18 +101,6 @@ def state_bytes(step: train_bench.Step) -> int:
   return total * len(jax.devices())
 
 
-def _same_state(steps) -> None:
-  """Every step takes (and donates) the same state: one state serves them all."""
-  def spec(step):
-    return [(x.shape, x.dtype, s) for x, s in zip(jax.tree.leaves(step.abstract),
-                                                  jax.tree.leaves(step.shardings))]
-  first, *rest = steps
-  for step in rest:
-    if spec(step) != spec(first) or (jax.tree.structure(step.abstract)
-                                     != jax.tree.structure(first.abstract)):
-      raise RuntimeError("the losses' train states differ; they cannot share one")
-
-
 def _gib(value) -> str:
   return "-" if value is None else f"{value / GIB:.3f}"
 
@@ -124,7 +112,7 @@ def cpu_vocab(args, vocab: int) -> dict:
     config = loss_config(name, batch=args.batch, seq=args.seq)
     config_mesh.check_config(config)
     steps[name] = train_bench.Step(config, vocab)
-  _same_state(list(steps.values()))
+  train_bench.same_state(list(steps.values()))
   section = {"vocab": vocab, "batch": args.batch, "seq_len": args.seq,
              "tokens": args.batch * args.seq, "losses": {}}
   state_all = state_bytes(next(iter(steps.values())))
@@ -153,20 +141,9 @@ def cpu_vocab(args, vocab: int) -> dict:
       runnable[name] = step
   if not runnable:
     return section
-  first = next(iter(runnable.values()))
-  first.init()
-  state, first.state = first.state, None
-  batch = train_bench.random_batch(first, 0)
-  times = {name: [] for name in runnable}
-  for round_index in range(args.repeats + 1):  # round 0 warms up
-    for name, step in runnable.items():
-      step.state = state
-      seconds = step.run(batch)
-      state, step.state = step.state, None
-      if round_index:
-        times[name].append(seconds)
-      else:
-        section["losses"][name]["warmup_s"] = round(seconds, 3)
+  times, warmups = train_bench.interleaved_times(runnable, args.repeats)
+  for name, seconds in warmups.items():
+    section["losses"][name]["warmup_s"] = round(seconds, 3)
   print(f"{'loss':>10} {'min s':>8} {'median s':>9} {'vs cut_bce':>10} {'vs ssm_128':>10}")
   medians = {name: float(np.median(t)) for name, t in times.items()}
   for name, t in times.items():

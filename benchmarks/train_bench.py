@@ -164,6 +164,45 @@ def random_batch(step: Step, seed: int):
   return {k: jax.device_put(v, step.batch_sharding) for k, v in host.items()}
 
 
+def same_state(steps) -> None:
+  """Raises unless every step takes (and donates) the same state: one state serves them all."""
+  def spec(step):
+    return [(x.shape, x.dtype, s) for x, s in zip(jax.tree.leaves(step.abstract),
+                                                  jax.tree.leaves(step.shardings))]
+  first, *rest = steps
+  for step in rest:
+    if spec(step) != spec(first) or (jax.tree.structure(step.abstract)
+                                     != jax.tree.structure(first.abstract)):
+      raise RuntimeError("the losses' train states differ; they cannot share one")
+
+
+def interleaved_times(steps: dict, repeats: int) -> tuple[dict, dict]:
+  """({name: [step seconds] x repeats}, {name: warm-up seconds}) of compiled steps.
+
+  The steps run in turn, round after round, on one state passed from each to
+  the next and one batch, so drift in the machine's speed touches them alike;
+  round 0 warms up and is not timed. Each step must take the same state
+  (`same_state`); the first one's `init` makes it.
+  """
+  steps = dict(steps)
+  same_state(list(steps.values()))
+  first = next(iter(steps.values()))
+  first.init()
+  state, first.state = first.state, None
+  batch = random_batch(first, 0)
+  times, warmups = {name: [] for name in steps}, {}
+  for round_index in range(repeats + 1):
+    for name, step in steps.items():
+      step.state = state
+      seconds = step.run(batch)
+      state, step.state = step.state, None
+      if round_index:
+        times[name].append(seconds)
+      else:
+        warmups[name] = seconds
+  return times, warmups
+
+
 def _gib(x):
   return None if x is None else round(x / GIB, 3)
 

@@ -29,3 +29,30 @@ def test_state_bytes_counts_each_device_shard():
   total = loss_cost.state_bytes(step)
   assert table_all_devices <= total < 1.01 * table_all_devices
   assert len(jax.devices()) == 8
+
+
+def test_interleaved_times_runs_each_step_on_one_shared_state(monkeypatch):
+  """Round 0 warms up (not timed), then `repeats` rounds; the state passes from step to step."""
+  config = loss_cost.loss_config("ssm_128", batch=8, seq=32)
+  steps = {name: loss_cost.train_bench.Step(config, 1_000) for name in ("a", "b")}
+  monkeypatch.setattr(loss_cost.train_bench, "random_batch", lambda step, seed: "batch")
+  order = []
+
+  def fake_run(name):
+    def run(batch):
+      assert batch == "batch" and steps[name].state == len(order)  # the previous step's state
+      order.append(name)
+      steps[name].state = len(order)
+      return float(len(order))
+    return run
+
+  for name, step in steps.items():
+    step.init = lambda step=step: setattr(step, "state", 0)
+    step.run = fake_run(name)
+  times, warmups = loss_cost.train_bench.interleaved_times(steps, repeats=2)
+  assert order == ["a", "b"] * 3
+  assert warmups == {"a": 1.0, "b": 2.0} and times == {"a": [3.0, 5.0], "b": [4.0, 6.0]}
+  # Steps whose states differ cannot share one.
+  other = loss_cost.train_bench.Step(loss_cost.loss_config("ssm_128", batch=8, seq=32), 2_000)
+  with pytest.raises(RuntimeError, match="states differ"):
+    loss_cost.train_bench.interleaved_times({"a": steps["a"], "c": other}, repeats=1)
