@@ -58,20 +58,25 @@ SOFTMAX_FLOOR = float(jnp.finfo(jnp.float32).min)
 WARPGROUPS = "warpgroups"  # the thread axis of a warp-specialized kernel
 # A warp-specialized consumer holds its tokens' list rows (fixed ids and
 # values, excluded ids: two registers a thread each) across its loop up to
-# this many, else reads them at every tile. Compiled for sm_90a (jax 0.10.2,
-# before the 64-column chunks): bf16 at D = 128 with 8 fixed columns (16 rows)
-# spills 696 B held, 136-152 B read per tile; f32 at D = 50 with 7 fixed
-# columns (4 targets, 3 excluded: 14 rows) 364 B held, 564-612 B per tile
-# (ptxas' choices, not a model).
+# this many, else reads them in every elementwise chunk of a tile. Compiled
+# for sm_90a (jax 0.10.2, before the chunks): bf16 at D = 128 with 8 fixed
+# columns (16 rows) spills 696 B held, 136-152 B read per tile; f32 at D = 50
+# with 7 fixed columns (4 targets, 3 excluded: 14 rows) 364 B held, 564-612 B
+# per tile (ptxas' choices, not a model). With 32-column chunks and jax 0.12,
+# the 16 rows read once per tile: 632 B, once per chunk: 408 B.
 MAX_HELD_LIST_ROWS = 14
-_TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # The sweep does a tile's elementwise work (exp, reciprocal, masks, G's pieces
 # stored) this many columns at a time: the registers of one chunk's temporaries
-# are live at once, not the whole tile's. Compiled for sm_90a (bf16, D = 64,
-# 128-column tiles, 4 targets, bias, 2 excluded ids): 404 B of spills in one
-# 128-column pass, 32 B in 64-column chunks with jax 0.12; 0 B both ways with
-# jax 0.10.2. 64 is the smallest: G's shared memory is tiled 64 columns wide.
-ELEMENTWISE_COLUMNS = 64
+# are live at once, not the whole tile's (ptxas issues a tile's exps, then its
+# reciprocals). A chunk is whole tiles of G's shared memory, so the operands are
+# tiled this wide, with the swizzle of that row width (wgmma wants its two
+# operands' swizzles equal). Compiled for sm_90a (H200, T = 2,048, V = 2^20,
+# L = 4, bias; spill bytes, whole tiles / 64 / 32 columns): bf16 D = 64 sweep,
+# jax 0.12: 76 / 12 / 0 B; f32 D = 64 sweep, jax 0.12: 764 / 748 / 328 B, jax
+# 0.10.2: 448 / 220 / 124 B (docs/kernels.md).
+ELEMENTWISE_COLUMNS = 32
+_TILE_TRANSFORMS = (plgpu.TilingTransform((8, ELEMENTWISE_COLUMNS)),
+                    plgpu.SwizzleTransform(2 * ELEMENTWISE_COLUMNS))
 
 
 class Flags(NamedTuple):
@@ -202,7 +207,7 @@ def _store_pieces(grad, smem_refs, commit=True):
 
 def _column_chunks(width: int) -> list:
   """The column slices of a `[64, width]` logit tile whose elementwise work is done one
-  after the other (`ELEMENTWISE_COLUMNS` wide)."""
+  after the other (`ELEMENTWISE_COLUMNS` wide; the shared memory is tiled so)."""
   step = min(ELEMENTWISE_COLUMNS, width)
   return [slice(start, start + step) for start in range(0, width, step)]
 
@@ -292,14 +297,17 @@ def _sweep_logits(hidden_tile, table_tile, bias_slot_ref, tile_start, geom: Geom
 
 
 def _sweep_update(carry, logits, columns, table_tile, grad_smem, geom: Geometry, flags: Flags,
-                  values: dict, interpret: bool):
+                  read_values, interpret: bool):
   """The carry after one tile: softmax (max, sum, counts), or BCE / softmax-backward (loss,
   counts, dh), dh += G E read from `table_tile` (G staged in `grad_smem`), the elementwise
-  work `ELEMENTWISE_COLUMNS` columns at a time."""
+  work `ELEMENTWISE_COLUMNS` columns at a time. `read_values()` gives the per-token
+  operands, called once per chunk (held ones cost nothing; long lists are read from shared
+  memory there, so they are not live across the chunks)."""
   if flags.kind == "softmax" and flags.with_loss:
-    return _softmax_step(carry, logits, columns, geom, values, flags.with_counts)
+    return _softmax_step(carry, logits, columns, geom, read_values(), flags.with_counts)
   loss, counts, dh = carry
   for chunk in _column_chunks(geom.block_v):
+    values = read_values()
     tile_loss, tile_counts, grad = (
         bce_tile(logits[:, chunk], columns[:, chunk], geom, values, with_loss=flags.with_loss,
                  with_counts=flags.with_counts, with_grad=flags.with_grad)
@@ -379,8 +387,8 @@ def _sweep_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
     logits, columns = _sweep_logits(hidden_smem, table_tile,
                                     bias_smem.at[slot] if flags.has_bias else None,
                                     (first + tile) * block_v, geom, interpret)
-    carry = _sweep_update(carry, logits, columns, table_tile, grad_smem, geom, flags, values,
-                          interpret)
+    carry = _sweep_update(carry, logits, columns, table_tile, grad_smem, geom, flags,
+                          lambda: values, interpret)
     # Every read of the slot is done (the dots waited): refill it.
     refill = tile + stages
     pl.when(refill < num_tiles)(lambda: issue(refill, slot))
@@ -435,12 +443,14 @@ def _sweep_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
       logits, columns = _sweep_logits(hidden_tile, table_tile,
                                       bias_smem.at[slot] if flags.has_bias else None,
                                       (first + tile) * block_v, geom, interpret)
-      values = held if lists_held else {
-          **held, **_load_side(own_side, Side((), side.lists), interpret)}
+      def read_values():
+        return held if lists_held else {
+            **held, **_load_side(own_side, Side((), side.lists), interpret)}
+
       if not flags.with_grad:  # the slot's last read was the logit dot's (it waited)
         plgpu.barrier_arrive(consumed_barrier.at[slot])
-      carry = _sweep_update(carry, logits, columns, table_tile, own_grad, geom, flags, values,
-                            interpret)
+      carry = _sweep_update(carry, logits, columns, table_tile, own_grad, geom, flags,
+                            read_values, interpret)
       if flags.with_grad:  # ... or the dh dot's (it waited too)
         plgpu.barrier_arrive(consumed_barrier.at[slot])
       return carry

@@ -63,13 +63,14 @@ def test_float32_matches_float64_and_runs_the_mosaic_kernels(one_pass):
 
 
 def test_wide_tiles_do_their_elementwise_work_in_chunks():
-  """bfloat16 with 128-column sweep tiles: two 64-column chunks, each storing its part of G
-  (a chunk stored over the other's columns, or its loss dropped: fails)."""
+  """bfloat16 with 128-column sweep tiles: four 32-column chunks, each storing its part of G
+  (a chunk stored over another's columns, or its loss dropped: fails). The float32 tests'
+  64-column tiles are two chunks each."""
   raw = cases.make_case(CASE, seed=4, logit_scale=2.0)
   args = _jnp(raw, jnp.bfloat16)
   kwargs = dict(num_items=NUM_ITEMS)
   plan = TilePlan(block_v=128, block_t=64)
-  assert len(mosaic_kernels._column_chunks(plan.block_v)) == 2
+  assert len(mosaic_kernels._column_chunks(plan.block_v)) == 4
   value, stats, grads, _ = _run(cutbce.cut_bce, args, backend="pallas_gpu", plan=plan,
                                 one_pass=True, **kwargs)
   dense_value, dense_stats, dense_grads, _ = _run(cutbce.dense_bce, args, **kwargs)
