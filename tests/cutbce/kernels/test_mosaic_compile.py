@@ -38,10 +38,9 @@ pytestmark = pytest.mark.skipif(not targets.cuda_plugin_available(),
 
 # The warp-specialized consumers get 232 registers and ptxas spills a little
 # where the fixed columns are many or float32's six products and G's three
-# pieces are live (spill stores + loads, counted once; jax 0.10.2 / 0.12 at
-# these shapes: bf16 0-152 / 0-464 B, f32 0-348 / 0-668 B). Kept within these
-# bounds until a GPU run says whether they cost time (docs/kernels.md,
-# "Mosaic GPU kernels").
+# pieces are live (spill stores + loads, counted once; the figures per
+# kernel and jax version: docs/kernels.md, "Compiled for sm_90a"). Kept within
+# these bounds until a GPU run says whether they cost time.
 MAX_SPILL_BYTES = {"bfloat16": 512, "float32": 768}
 
 # (target, T, V, D, dtype, L, bias, exclude, num_items)
