@@ -196,13 +196,11 @@ def _grad_tile(kind, logits, columns, geom, side):
   return softmax_grad_tile(logits, columns, geom, side)
 
 
-def _store_pieces(grad, smem_refs, commit=True):
+def _store_pieces(grad, smem_refs):
   """G split into bfloat16 pieces (`pieces.iter_pieces`), into the shared memory the next
-  dot reads, each stored as soon as it is made."""
+  dot reads, each stored as soon as it is made (the caller commits before the dot)."""
   for ref, piece in zip(smem_refs, pieces.iter_pieces(grad, len(smem_refs), smem_refs[0].dtype)):
     ref[...] = piece
-  if commit:
-    plgpu.commit_smem()
 
 
 def _column_chunks(width: int) -> list:
@@ -318,7 +316,7 @@ def _sweep_update(carry, logits, columns, table_tile, grad_smem, geom: Geometry,
     if flags.with_counts:
       counts = counts + tile_counts
     if flags.with_grad:  # G's columns of this chunk, into its pieces' shared memory
-      _store_pieces(grad, [ref.at[:, chunk] for ref in grad_smem], commit=False)
+      _store_pieces(grad, [ref.at[:, chunk] for ref in grad_smem])
   if flags.with_grad:
     plgpu.commit_smem()
     dh = ops.dot_acc(dh, grad_smem, table_tile, pieces.PRODUCTS[geom.pieces],
@@ -587,6 +585,7 @@ def _table_update(carry, hidden_tile, table_tile, grad_refs, bias, vocab_start, 
   if bias is not None:
     bias_grad = bias_grad + jnp.sum(grad, axis=0)
   _store_pieces(grad, grad_refs)
+  plgpu.commit_smem()
   table_grad = ops.dot_acc(table_grad, grad_refs, hidden_tile, products, interpret,
                            transpose_a=True)
   return table_grad, bias_grad
