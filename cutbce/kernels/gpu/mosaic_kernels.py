@@ -573,22 +573,47 @@ def _table_kernel(*refs, geom: Geometry, flags: Flags, side: Side, interpret: bo
 def _table_update(carry, hidden_tile, table_tile, grad_refs, bias, vocab_start, side_values,
                   geom: Geometry, flags: Flags, interpret: bool):
   """(dE, db) after one token tile: its logits against the table tile, G (stored as pieces
-  in `grad_refs`), db += sum_t G and dE += G^T H ([64 items, 64 tokens] x [64 tokens, Dp])."""
-  table_grad, bias_grad = carry
+  in `grad_refs`), db += sum_t G and dE += G^T H ([64 items, 64 tokens] x [64 tokens, Dp]).
+  The elementwise work goes `ELEMENTWISE_COLUMNS` items at a time, as the sweep's does;
+  db is carried as one vector per chunk (`_table_init`), so no vector is sliced."""
+  table_grad, bias_grads = carry
   products = pieces.PRODUCTS[geom.pieces]
   logits = ops.dot_nt(hidden_tile, table_tile, products, interpret)  # [64 tokens, 64 items]
   if bias is not None:
     logits = logits + _columns(bias, logits.shape)
   # Made in the step, not held across it: a tile of indices is 32 registers.
   columns = vocab_start + ops.iota((BLOCK_T, TABLE_BLOCK_V), 1, interpret)
-  grad = _grad_tile(flags.kind, logits, columns, geom, side_values)
-  if bias is not None:
-    bias_grad = bias_grad + jnp.sum(grad, axis=0)
-  _store_pieces(grad, grad_refs)
+  new_bias_grads = []
+  for index, chunk in enumerate(_column_chunks(TABLE_BLOCK_V)):
+    grad = _grad_tile(flags.kind, logits[:, chunk], columns[:, chunk], geom, side_values)
+    if bias is not None:
+      new_bias_grads.append(bias_grads[index] + jnp.sum(grad, axis=0))
+    _store_pieces(grad, [ref.at[:, chunk] for ref in grad_refs])
   plgpu.commit_smem()
   table_grad = ops.dot_acc(table_grad, grad_refs, hidden_tile, products, interpret,
                            transpose_a=True)
-  return table_grad, bias_grad
+  return table_grad, tuple(new_bias_grads)
+
+
+def _table_init(geom: Geometry, flags: Flags, interpret: bool):
+  """The table kernel's loop carry: dE `[64, Dp]` and db, one `[32]` vector per chunk."""
+  chunks = _column_chunks(TABLE_BLOCK_V)
+  bias_grads = tuple(ops.zeros((chunk.stop - chunk.start,), ops.COLUMNS, interpret)
+                     for chunk in chunks) if flags.has_bias else ()
+  return ops.zeros((TABLE_BLOCK_V, geom.dim_padded), ops.WGMMA, interpret), bias_grads
+
+
+def _table_store(carry, table_grad_smem, bias_grad_smem, table_grad_ref, bias_grad_ref, rows):
+  """dE and db of this CTA's table rows to global memory (through shared memory)."""
+  table_grad, bias_grads = carry
+  table_grad_smem[...] = table_grad
+  for chunk, bias_grad in zip(_column_chunks(TABLE_BLOCK_V), bias_grads):
+    bias_grad_smem.at[chunk][...] = bias_grad
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(table_grad_smem, table_grad_ref.at[rows])
+  if bias_grad_ref is not None:
+    plgpu.copy_smem_to_gmem(bias_grad_smem, bias_grad_ref.at[rows])
+  plgpu.wait_smem_to_gmem(0)
 
 
 def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
@@ -629,28 +654,17 @@ def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
   bias = ops.load_vector(bias_smem, ops.COLUMNS, interpret) if has_bias else None
 
   def step(tile, carry):
-    table_grad, bias_grad = carry
     slot = lax.rem(tile, stages)
     plgpu.barrier_wait(stream_barrier.at[slot])
-    table_grad, bias_grad = _table_update(
-        (table_grad, bias_grad), [smem.at[slot] for smem in hidden_smem], table_smem,
-        grad_smem, bias, vocab_start, _load_side(side_smem, side, interpret, slot), geom,
-        flags, interpret)
+    carry = _table_update(carry, [smem.at[slot] for smem in hidden_smem], table_smem,
+                          grad_smem, bias, vocab_start,
+                          _load_side(side_smem, side, interpret, slot), geom, flags, interpret)
     refill = tile + stages
     pl.when(refill < num_tiles)(lambda: issue(refill, slot))
-    return table_grad, bias_grad
+    return carry
 
-  init = (ops.zeros((TABLE_BLOCK_V, geom.dim_padded), ops.WGMMA, interpret),
-          ops.zeros((TABLE_BLOCK_V,), ops.COLUMNS, interpret))
-  table_grad, bias_grad = lax.fori_loop(0, num_tiles, step, init)
-  table_grad_smem[...] = table_grad
-  if has_bias:
-    bias_grad_smem[...] = bias_grad
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(table_grad_smem, table_grad_ref.at[rows])
-  if has_bias:
-    plgpu.copy_smem_to_gmem(bias_grad_smem, bias_grad_ref.at[rows])
-  plgpu.wait_smem_to_gmem(0)
+  carry = lax.fori_loop(0, num_tiles, step, _table_init(geom, flags, interpret))
+  _table_store(carry, table_grad_smem, bias_grad_smem, table_grad_ref, bias_grad_ref, rows)
 
 
 def _table_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
@@ -689,27 +703,19 @@ def _table_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
     own_grad = [smem.at[warpgroup] for smem in grad_smem]
 
     def step(tile, carry):
-      table_grad, bias_grad = carry
       slot = lax.rem(tile, stages)
       plgpu.barrier_wait(stream_barrier.at[slot])
-      table_grad, bias_grad = _table_update(
-          (table_grad, bias_grad), [smem.at[slot] for smem in hidden_smem], own_table,
-          own_grad, bias, vocab_start, _load_side(side_smem, side, interpret, slot), geom,
-          flags, interpret)
+      carry = _table_update(carry, [smem.at[slot] for smem in hidden_smem], own_table,
+                            own_grad, bias, vocab_start,
+                            _load_side(side_smem, side, interpret, slot), geom, flags,
+                            interpret)
       plgpu.barrier_arrive(consumed_barrier.at[slot])
-      return table_grad, bias_grad
+      return carry
 
-    init = (ops.zeros((TABLE_BLOCK_V, geom.dim_padded), ops.WGMMA, interpret),
-            ops.zeros((TABLE_BLOCK_V,), ops.COLUMNS, interpret))
-    table_grad, bias_grad = lax.fori_loop(0, num_tiles, step, init)
-    table_grad_smem.at[warpgroup][...] = table_grad
-    if has_bias:
-      bias_grad_smem.at[warpgroup][...] = bias_grad
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(table_grad_smem.at[warpgroup], table_grad_ref.at[rows])
-    if has_bias:
-      plgpu.copy_smem_to_gmem(bias_grad_smem.at[warpgroup], bias_grad_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
+    carry = lax.fori_loop(0, num_tiles, step, _table_init(geom, flags, interpret))
+    _table_store(carry, table_grad_smem.at[warpgroup],
+                 bias_grad_smem.at[warpgroup] if has_bias else None, table_grad_ref,
+                 bias_grad_ref, rows)
 
   streams = [(functools.partial(lambda r, tokens: r.at[tokens], ref), smem)
              for ref, smem in zip(hidden_refs, hidden_smem)]
