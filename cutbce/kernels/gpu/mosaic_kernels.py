@@ -65,7 +65,7 @@ WARPGROUPS = "warpgroups"  # the thread axis of a warp-specialized kernel
 # per tile (ptxas' choices, not a model). With 32-column chunks and jax 0.12,
 # the 16 rows read once per tile: 632 B, once per chunk: 408 B.
 MAX_HELD_LIST_ROWS = 14
-# The sweep does a tile's elementwise work (exp, reciprocal, masks, G's pieces
+# Both kernels do a tile's elementwise work (exp, reciprocal, masks, G's pieces
 # stored) this many columns at a time: the registers of one chunk's temporaries
 # are live at once, not the whole tile's (ptxas issues a tile's exps, then its
 # reciprocals). A chunk is whole tiles of G's shared memory, so the operands are
@@ -73,7 +73,8 @@ MAX_HELD_LIST_ROWS = 14
 # operands' swizzles equal). Compiled for sm_90a (H200, T = 2,048, V = 2^20,
 # L = 4, bias; spill bytes, whole tiles / 64 / 32 columns): bf16 D = 64 sweep,
 # jax 0.12: 76 / 12 / 0 B; f32 D = 64 sweep, jax 0.12: 764 / 748 / 328 B, jax
-# 0.10.2: 448 / 220 / 124 B (docs/kernels.md).
+# 0.10.2: 448 / 220 / 124 B; f32 D = 64 table, whole tiles / 32 columns: 140 / 0 B
+# (0.10.2), 240 / 48 B (0.12) (docs/kernels.md).
 ELEMENTWISE_COLUMNS = 32
 _TILE_TRANSFORMS = (plgpu.TilingTransform((8, ELEMENTWISE_COLUMNS)),
                     plgpu.SwizzleTransform(2 * ELEMENTWISE_COLUMNS))
