@@ -350,6 +350,21 @@ def _split_tiles(geom: Geometry):
   return split, first, jnp.minimum(first + geom.tiles_per_split, geom.num_vocab_tiles) - first
 
 
+def _table_tile_issue(first, block_v: int, table_refs, bias_ref, table_smem, bias_smem,
+                      stream_barrier):
+  """`issue(tile, slot)`: copy the split's table tile `first + tile` (its pieces, and its
+  bias where `bias_ref` is given) into buffer `slot`, arriving on that slot's barrier."""
+
+  def issue(tile, slot):
+    rows = pl.ds((first + tile) * block_v, block_v)
+    for ref, smem in zip(table_refs, table_smem):
+      plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], stream_barrier.at[slot])
+    if bias_ref is not None:
+      plgpu.copy_gmem_to_smem(bias_ref.at[rows], bias_smem.at[slot], stream_barrier.at[slot])
+
+  return issue
+
+
 def _sweep_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
   """One warpgroup per CTA (`geom.consumers == 1`): it issues its own copies."""
   block_v, stages = geom.block_v, geom.stages
@@ -367,12 +382,8 @@ def _sweep_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
   for src, dst in resident:
     plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[0])
 
-  def issue(tile, slot):  # table tile `first + tile` (and its bias) into buffer `slot`
-    rows = pl.ds((first + tile) * block_v, block_v)
-    for ref, smem in zip(table_refs, table_smem):
-      plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], stream_barrier.at[slot])
-    if flags.has_bias:
-      plgpu.copy_gmem_to_smem(bias_ref.at[rows], bias_smem.at[slot], stream_barrier.at[slot])
+  issue = _table_tile_issue(first, block_v, table_refs, bias_ref, table_smem, bias_smem,
+                            stream_barrier)
 
   for slot in range(stages):
     pl.when(slot < num_tiles)(functools.partial(issue, slot, slot))
@@ -458,12 +469,8 @@ def _sweep_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
     _sweep_store(carry, out_refs, dh_smem.at[warpgroup] if flags.with_grad else None,
                  sums_smem.at[warpgroup], split, tokens, flags)
 
-  def issue(tile, slot):  # table tile `first + tile` (and its bias) into buffer `slot`
-    rows = pl.ds((first + tile) * block_v, block_v)
-    for ref, smem in zip(table_refs, table_smem):
-      plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], stream_barrier.at[slot])
-    if flags.has_bias:
-      plgpu.copy_gmem_to_smem(bias_ref.at[rows], bias_smem.at[slot], stream_barrier.at[slot])
+  issue = _table_tile_issue(first, block_v, table_refs, bias_ref, table_smem, bias_smem,
+                            stream_barrier)
 
   pl.when(warpgroup == consumers)(
       lambda: _produce(issue, num_tiles, stages, consumed_barrier))
@@ -617,15 +624,39 @@ def _table_store(carry, table_grad_smem, bias_grad_smem, table_grad_ref, bias_gr
   plgpu.wait_smem_to_gmem(0)
 
 
-def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
-  num_pieces, stages, has_bias = geom.pieces, geom.table_stages, flags.has_bias
+def _table_refs(refs, geom: Geometry, flags: Flags, side: Side):
+  """(hidden pieces, table pieces, bias or None, {side name: ref}, dE, db or None)."""
   refs = list(refs)
-  hidden_refs = [refs.pop(0) for _ in range(num_pieces)]  # [Tp, Dp] bf16 each
-  table_refs = [refs.pop(0) for _ in range(num_pieces)]  # [Vp, Dp] bf16 each
-  bias_ref = refs.pop(0) if has_bias else None  # [Vp] f32
+  hidden_refs = [refs.pop(0) for _ in range(geom.pieces)]  # [Tp, Dp] bf16 each
+  table_refs = [refs.pop(0) for _ in range(geom.pieces)]  # [Vp, Dp] bf16 each
+  bias_ref = refs.pop(0) if flags.has_bias else None  # [Vp] f32
   side_refs = {name: refs.pop(0) for name in side.names}  # [Tp] or [n, Tp]
   table_grad_ref = refs.pop(0)  # [Vp, Dp] f32
-  bias_grad_ref = refs.pop(0) if has_bias else None  # [Vp] f32
+  bias_grad_ref = refs.pop(0) if flags.has_bias else None  # [Vp] f32
+  return hidden_refs, table_refs, bias_ref, side_refs, table_grad_ref, bias_grad_ref
+
+
+def _token_tile_issue(hidden_refs, side_refs, hidden_smem, side_smem, side: Side,
+                      stream_barrier):
+  """`issue(tile, slot)`: copy token tile `tile` (the hidden pieces, then the per-token
+  operands) into buffer `slot`, every copy arriving on that slot's barrier."""
+  streams = [(functools.partial(lambda r, tokens: r.at[tokens], ref), smem)
+             for ref, smem in zip(hidden_refs, hidden_smem)]
+  streams += [(functools.partial(_side_source, side_refs[name], name, side), side_smem[name])
+              for name in side.names]
+
+  def issue(tile, slot):
+    tokens = pl.ds(tile * BLOCK_T, BLOCK_T)
+    for source, smem in streams:
+      plgpu.copy_gmem_to_smem(source(tokens), smem.at[slot], stream_barrier.at[slot])
+
+  return issue
+
+
+def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interpret: bool):
+  stages, has_bias = geom.table_stages, flags.has_bias
+  (hidden_refs, table_refs, bias_ref, side_refs, table_grad_ref,
+   bias_grad_ref) = _table_refs(refs, geom, flags, side)
   (table_smem, bias_smem, hidden_smem, side_smem, grad_smem, table_grad_smem, bias_grad_smem,
    resident_barrier, stream_barrier, _) = scratch
 
@@ -637,17 +668,8 @@ def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
   for src, dst in resident:
     plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[0])
 
-  # Streams, one barrier array each: the hidden pieces, then the token side.
-  streams = [(functools.partial(lambda r, tokens: r.at[tokens], ref), smem)
-             for ref, smem in zip(hidden_refs, hidden_smem)]
-  streams += [(functools.partial(_side_source, side_refs[name], name, side), side_smem[name])
-              for name in side.names]
-
-  def issue(tile, slot):  # token tile `tile` into buffer `slot`
-    tokens = pl.ds(tile * BLOCK_T, BLOCK_T)
-    for source, smem in streams:
-      plgpu.copy_gmem_to_smem(source(tokens), smem.at[slot], stream_barrier.at[slot])
-
+  issue = _token_tile_issue(hidden_refs, side_refs, hidden_smem, side_smem, side,
+                            stream_barrier)
   num_tiles = geom.num_token_tiles
   for slot in range(min(stages, num_tiles)):
     issue(slot, slot)
@@ -673,15 +695,10 @@ def _table_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
   per-token operands) into `table_stages` slots; consumer `c` owns table rows
   [64 c, 64 c + 64) of the CTA's block (its table tile, bias, G pieces, dE and db), reads
   every slot and arrives on its consumed barrier once its two dots have read it."""
-  num_pieces, stages, has_bias = geom.pieces, geom.table_stages, flags.has_bias
+  stages, has_bias = geom.table_stages, flags.has_bias
   consumers = geom.table_consumers
-  refs = list(refs)
-  hidden_refs = [refs.pop(0) for _ in range(num_pieces)]  # [Tp, Dp] bf16 each
-  table_refs = [refs.pop(0) for _ in range(num_pieces)]  # [Vp, Dp] bf16 each
-  bias_ref = refs.pop(0) if has_bias else None  # [Vp] f32
-  side_refs = {name: refs.pop(0) for name in side.names}  # [Tp] or [n, Tp]
-  table_grad_ref = refs.pop(0)  # [Vp, Dp] f32
-  bias_grad_ref = refs.pop(0) if has_bias else None  # [Vp] f32
+  (hidden_refs, table_refs, bias_ref, side_refs, table_grad_ref,
+   bias_grad_ref) = _table_refs(refs, geom, flags, side)
   (table_smem, bias_smem, hidden_smem, side_smem, grad_smem, table_grad_smem, bias_grad_smem,
    resident_barrier, stream_barrier, consumed_barrier) = scratch
   warpgroup = lax.axis_index(WARPGROUPS)
@@ -718,16 +735,8 @@ def _table_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
                  bias_grad_smem.at[warpgroup] if has_bias else None, table_grad_ref,
                  bias_grad_ref, rows)
 
-  streams = [(functools.partial(lambda r, tokens: r.at[tokens], ref), smem)
-             for ref, smem in zip(hidden_refs, hidden_smem)]
-  streams += [(functools.partial(_side_source, side_refs[name], name, side), side_smem[name])
-              for name in side.names]
-
-  def issue(tile, slot):  # token tile `tile` into buffer `slot`
-    tokens = pl.ds(tile * BLOCK_T, BLOCK_T)
-    for source, smem in streams:
-      plgpu.copy_gmem_to_smem(source(tokens), smem.at[slot], stream_barrier.at[slot])
-
+  issue = _token_tile_issue(hidden_refs, side_refs, hidden_smem, side_smem, side,
+                            stream_barrier)
   pl.when(warpgroup == consumers)(
       lambda: _produce(issue, num_tiles, stages, consumed_barrier))
 
