@@ -14,7 +14,8 @@ Two commands, each writing JSON under `--out`:
             still run:
             0. quality ML-1M runs of QUALITY_GRID (--runs; by default
                        NEXT_RUNS, eight not measured yet: issue 39's SASRec+
-                       replicas and the exclusion's seeds; LATER_RUNS
+                       with 3,000 negatives, the exclusion's seeds, the
+                       replica's changes on A; LATER_RUNS
                        next), one process each, all at once on this GPU
                        (mesh data=1, the configs' global batch), cut at
                        --quality-s.
@@ -338,16 +339,16 @@ QUALITY_GRID += (
 )
 # The runs a plain `device` call makes: eight at a time (eight shared one H200
 # in 190-250 s), the first of what the grid has not measured yet: issue 39's
-# replicas of SASRec+ (full softmax, and its 3,000 negatives) and the
-# exclusion's seeds on the best recipe. LATER_RUNS wait for the next device
-# (--runs names them): the replica's changes one at a time, issue 33's
-# sampled baselines on the best recipe, and gSASRec (90,000 steps each: give
-# it --quality-s to match).
-NEXT_RUNS = ("replica_seed0", "replica_seed1", "replica_seed2", "replica_3000_seed0",
-             "replica_3000_seed1", "replica_3000_seed2", "ce_capacity_exclude_seed1",
-             "ce_capacity_exclude_seed2")
-LATER_RUNS = ("a_sasrec_block_seed0", "a_from_first_seed0", "a_init_seed0", "a_no_clip_seed0",
-              "a_4000_steps_seed0", "best_replica_model_seed0", "best_sampled_softmax_k128_seed0",
+# SASRec+ with 3,000 negatives (seed 0 ran on CPU), the exclusion's seeds on the
+# best recipe, and four of the replica's changes one at a time on the recipe A.
+# The replica's three seeds ran on CPU (docs/results.md). LATER_RUNS wait for
+# the next device (--runs names them): the last change, issue 33's sampled
+# baselines on the best recipe, and gSASRec (90,000 steps each: give it
+# --quality-s to match).
+NEXT_RUNS = ("replica_3000_seed1", "replica_3000_seed2", "ce_capacity_exclude_seed1",
+             "ce_capacity_exclude_seed2", "a_sasrec_block_seed0", "a_from_first_seed0",
+             "a_init_seed0", "a_no_clip_seed0")
+LATER_RUNS = ("a_4000_steps_seed0", "best_replica_model_seed0", "best_sampled_softmax_k128_seed0",
               "best_sampled_softmax_k1024_seed0", "best_sampled_softmax_k128_pop_logq_seed0",
               "best_sampled_softmax_k128_pop_seed0", "best_gbce_k256_seed0",
               "best_gbce_k256_item_bias_seed0", "bce_capacity_item_bias_seed0",
