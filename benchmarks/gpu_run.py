@@ -339,16 +339,16 @@ QUALITY_GRID += (
 )
 # The runs a plain `device` call makes: eight at a time (eight shared one H200
 # in 190-250 s), the first of what the grid has not measured yet: issue 39's
-# SASRec+ with 3,000 negatives (seed 0 ran on CPU), the exclusion's seeds on the
-# best recipe, and four of the replica's changes one at a time on the recipe A.
-# The replica's three seeds ran on CPU (docs/results.md). LATER_RUNS wait for
-# the next device (--runs names them): the last change, issue 33's sampled
-# baselines on the best recipe, and gSASRec (90,000 steps each: give it
-# --quality-s to match).
-NEXT_RUNS = ("replica_3000_seed1", "replica_3000_seed2", "ce_capacity_exclude_seed1",
-             "ce_capacity_exclude_seed2", "a_sasrec_block_seed0", "a_from_first_seed0",
-             "a_init_seed0", "a_no_clip_seed0")
-LATER_RUNS = ("a_4000_steps_seed0", "best_replica_model_seed0", "best_sampled_softmax_k128_seed0",
+# SASRec+ with 3,000 negatives (on 2 CPU cores 0.61 steps/s, 1 h 50 min a
+# run), the exclusion's seeds on the best recipe, and three of the replica's
+# changes one at a time on the recipe A. The replica's three seeds ran on CPU
+# (docs/results.md). LATER_RUNS wait for the next device (--runs names them):
+# the other changes, issue 33's sampled baselines on the best recipe, and
+# gSASRec (90,000 steps each: give it --quality-s to match).
+NEXT_RUNS = ("replica_3000_seed0", "replica_3000_seed1", "replica_3000_seed2",
+             "ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2", "a_sasrec_block_seed0",
+             "a_from_first_seed0", "a_init_seed0")
+LATER_RUNS = ("a_no_clip_seed0", "a_4000_steps_seed0", "best_replica_model_seed0", "best_sampled_softmax_k128_seed0",
               "best_sampled_softmax_k1024_seed0", "best_sampled_softmax_k128_pop_logq_seed0",
               "best_sampled_softmax_k128_pop_seed0", "best_gbce_k256_seed0",
               "best_gbce_k256_item_bias_seed0", "bce_capacity_item_bias_seed0",
