@@ -63,8 +63,9 @@ QUEUE.update({
     for name in ("sampled_softmax_k128", "gbce_k256", "sampled_softmax_k1024",
                  "sampled_softmax_k128_pop_logq")
 })
-# And exact BCE at as many steps as those: equal steps again, 5x the wall time
-# (500 steps are half an epoch; the sampled twins show how far from trained).
+# And the exact losses at as many steps as those: equal steps again, 5x the
+# wall time (500 steps are half an epoch; the sampled twins show how far from
+# trained).
 QUEUE["exact_bce_2500"] = [*QUEUE["exact_bce"], f"train_steps={EQUAL_WALL_STEPS}"]
 QUEUE["exact_softmax_ce_2500"] = [*QUEUE["exact_softmax_ce"], f"train_steps={EQUAL_WALL_STEPS}"]
 

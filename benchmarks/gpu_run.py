@@ -348,11 +348,11 @@ QUALITY_GRID += (
 NEXT_RUNS = ("replica_3000_seed0", "replica_3000_seed1", "replica_3000_seed2",
              "ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2", "a_sasrec_block_seed0",
              "a_from_first_seed0", "a_init_seed0")
-LATER_RUNS = ("a_no_clip_seed0", "a_4000_steps_seed0", "best_replica_model_seed0", "best_sampled_softmax_k128_seed0",
-              "best_sampled_softmax_k1024_seed0", "best_sampled_softmax_k128_pop_logq_seed0",
-              "best_sampled_softmax_k128_pop_seed0", "best_gbce_k256_seed0",
-              "best_gbce_k256_item_bias_seed0", "bce_capacity_item_bias_seed0",
-              "gsasrec_seed0", "gsasrec_seed1", "gsasrec_seed2")
+LATER_RUNS = ("a_no_clip_seed0", "a_4000_steps_seed0", "best_replica_model_seed0",
+              "best_sampled_softmax_k128_seed0", "best_sampled_softmax_k1024_seed0",
+              "best_sampled_softmax_k128_pop_logq_seed0", "best_sampled_softmax_k128_pop_seed0",
+              "best_gbce_k256_seed0", "best_gbce_k256_item_bias_seed0",
+              "bce_capacity_item_bias_seed0", "gsasrec_seed0", "gsasrec_seed1", "gsasrec_seed2")
 
 
 def part_quality(out: pathlib.Path, limit_s: int, names) -> dict:
