@@ -263,14 +263,21 @@ def _sweep_outputs(flags: Flags) -> tuple:
           + (("counts",) if flags.with_counts else ()))
 
 
-def _sweep_refs(refs, geom: Geometry, flags: Flags, side: Side):
-  """(hidden pieces, table pieces, bias or None, {side name: ref}, {output name: ref})."""
+def _input_refs(refs, geom: Geometry, flags: Flags, side: Side):
+  """Both kernels' inputs, in order: (hidden pieces, table pieces, bias or None,
+  {side name: ref}, the refs after them: the outputs)."""
   refs = list(refs)
   hidden_refs = [refs.pop(0) for _ in range(geom.pieces)]  # [Tp, Dp] bf16 each
   table_refs = [refs.pop(0) for _ in range(geom.pieces)]  # [Vp, Dp] bf16 each
   bias_ref = refs.pop(0) if flags.has_bias else None  # [Vp] f32
   side_refs = {name: refs.pop(0) for name in side.names}  # [Tp] or [n, Tp]
-  out_refs = {name: refs.pop(0) for name in _sweep_outputs(flags)}  # [splits, Tp(, Dp)] f32
+  return hidden_refs, table_refs, bias_ref, side_refs, refs
+
+
+def _sweep_refs(refs, geom: Geometry, flags: Flags, side: Side):
+  """(hidden pieces, table pieces, bias or None, {side name: ref}, {output name: ref})."""
+  hidden_refs, table_refs, bias_ref, side_refs, outputs = _input_refs(refs, geom, flags, side)
+  out_refs = dict(zip(_sweep_outputs(flags), outputs, strict=True))  # [splits, Tp(, Dp)] f32
   return hidden_refs, table_refs, bias_ref, side_refs, out_refs
 
 
@@ -626,13 +633,9 @@ def _table_store(carry, table_grad_smem, bias_grad_smem, table_grad_ref, bias_gr
 
 def _table_refs(refs, geom: Geometry, flags: Flags, side: Side):
   """(hidden pieces, table pieces, bias or None, {side name: ref}, dE, db or None)."""
-  refs = list(refs)
-  hidden_refs = [refs.pop(0) for _ in range(geom.pieces)]  # [Tp, Dp] bf16 each
-  table_refs = [refs.pop(0) for _ in range(geom.pieces)]  # [Vp, Dp] bf16 each
-  bias_ref = refs.pop(0) if flags.has_bias else None  # [Vp] f32
-  side_refs = {name: refs.pop(0) for name in side.names}  # [Tp] or [n, Tp]
-  table_grad_ref = refs.pop(0)  # [Vp, Dp] f32
-  bias_grad_ref = refs.pop(0) if flags.has_bias else None  # [Vp] f32
+  hidden_refs, table_refs, bias_ref, side_refs, outputs = _input_refs(refs, geom, flags, side)
+  table_grad_ref = outputs[0]  # [Vp, Dp] f32
+  bias_grad_ref = outputs[1] if flags.has_bias else None  # [Vp] f32
   return hidden_refs, table_refs, bias_ref, side_refs, table_grad_ref, bias_grad_ref
 
 
