@@ -68,6 +68,13 @@ QUEUE.update({
 # trained).
 QUEUE["exact_bce_2500"] = [*QUEUE["exact_bce"], f"train_steps={EQUAL_WALL_STEPS}"]
 QUEUE["exact_softmax_ce_2500"] = [*QUEUE["exact_softmax_ce"], f"train_steps={EQUAL_WALL_STEPS}"]
+# More seeds of the rows the verdict rests on (the model's init, dropout, the
+# batches' order and the negatives; the data stays the one of source seed 0):
+# the best sampled loss and the exact losses, at 2,500 steps.
+SEEDS = (1, 2)
+SEEDED = ("sampled_softmax_k1024_wall", "exact_softmax_ce_2500", "exact_bce_2500")
+QUEUE.update({f"{name}_seed{seed}": [*QUEUE[name], f"seed={seed}"]
+              for seed in SEEDS for name in SEEDED})
 
 
 def command(name: str) -> list[str]:
@@ -115,22 +122,43 @@ def cost(names: list[str], repeats: int) -> dict:
   return out
 
 
+def _seeds_of(name: str) -> list[str]:
+  """The entry and its other-seed twins, in the queue's order."""
+  return [name, *(f"{name}_seed{seed}" for seed in SEEDS if f"{name}_seed{seed}" in QUEUE)]
+
+
+def _mean_spread(values: list[float]) -> str:
+  """One seed's figure, or mean +- sample standard deviation over the seeds."""
+  if len(values) == 1:
+    return f"{values[0]:.4f}"
+  mean = sum(values) / len(values)
+  std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+  return f"{mean:.4f} +- {std:.4f}"
+
+
 def table() -> str:
-  """The finished runs beside each other (markdown): quality at equal steps, cost."""
+  """The finished runs beside each other (markdown): quality at equal steps, cost.
+
+  An entry's other-seed twins (`NAME_seedS`) share its row: NDCG@10 and HR@10
+  as mean +- standard deviation over the seeds whose JSON exists."""
   cost_path = ROOT / RESULTS / "cost.json"
   costs = json.loads(cost_path.read_text())["losses"] if cost_path.exists() else {}
-  lines = ["| loss | test NDCG@10 | HR@10 | steps | step s (interleaved) | "
-           "temp GiB / device | peak GiB / device |", "|---|---|---|---|---|---|---|"]
+  lines = ["| loss | test NDCG@10 | HR@10 | seeds | steps | step s (interleaved) | "
+           "temp GiB / device | peak GiB / device |", "|---|---|---|---|---|---|---|---|"]
   for name in QUEUE:
-    path = ROOT / RESULTS / f"{name}.json"
-    if not path.exists():
+    if name.endswith(tuple(f"_seed{seed}" for seed in SEEDS)):
+      continue  # in its entry's row
+    runs = [json.loads(path.read_text()) for path in
+            (ROOT / RESULTS / f"{n}.json" for n in _seeds_of(name)) if path.exists()]
+    if not runs:
       continue
-    run = json.loads(path.read_text())
     c = costs.get(name, {})
     memory = c.get("memory", {})
     gib = lambda key: (f"{memory[key] / GIB:.3f}" if key in memory else "-")  # noqa: E731
     step_s = f"{c['median_step_s']:.3f}" if "median_step_s" in c else "-"
-    lines.append(f"| {name} | {run['ndcg@10']:.4f} | {run['hr@10']:.4f} | {run['step']} | "
+    ndcg = _mean_spread([run["ndcg@10"] for run in runs])
+    hr = _mean_spread([run["hr@10"] for run in runs])
+    lines.append(f"| {name} | {ndcg} | {hr} | {len(runs)} | {runs[0]['step']} | "
                  f"{step_s} | {gib('temp_bytes_per_device')} | {gib('peak_bytes_per_device')} |")
   return "\n".join(lines)
 

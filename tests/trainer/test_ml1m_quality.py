@@ -79,6 +79,10 @@ def test_the_catalog_queue_differs_in_the_loss_and_the_steps_alone(tmp_path, mon
   equal-wall-time twins, train_steps); the table reads the runs and the cost file."""
   queue = _queue()
   for name, overrides in queue.QUEUE.items():
+    base, _, seed = name.partition("_seed")
+    if seed:  # another seed of an entry: that entry's overrides and the seed alone
+      assert overrides == [*queue.QUEUE[base], f"seed={seed}"], (name, overrides)
+      continue
     assert all(o.startswith("loss.") or (name.endswith(("_wall", "_2500"))
                                          and o == "train_steps=2500")
                for o in overrides), (name, overrides)
@@ -94,4 +98,13 @@ def test_the_catalog_queue_differs_in_the_loss_and_the_steps_alone(tmp_path, mon
   monkeypatch.setattr(queue, "ROOT", tmp_path)
   monkeypatch.setattr(queue, "RESULTS", "results")
   rows = queue.table().splitlines()
-  assert rows[2] == "| exact_bce | 0.1235 | 0.2000 | 500 | 1.500 | 1.000 | 2.000 |" and len(rows) == 3
+  assert rows[2] == "| exact_bce | 0.1235 | 0.2000 | 1 | 500 | 1.500 | 1.000 | 2.000 |"
+  assert len(rows) == 3
+  # Seeds share their entry's row: mean +- sample standard deviation.
+  for name, ndcg in (("exact_bce_2500", 0.30), ("exact_bce_2500_seed1", 0.32),
+                     ("exact_bce_2500_seed2", 0.34)):
+    (results / f"{name}.json").write_text(json.dumps({"ndcg@10": ndcg, "hr@10": 0.4,
+                                                      "step": 2500}))
+  rows = queue.table().splitlines()
+  assert rows[3] == "| exact_bce_2500 | 0.3200 +- 0.0200 | 0.4000 +- 0.0000 | 3 | 2500 | - | - | - |"
+  assert len(rows) == 4
