@@ -27,8 +27,9 @@ Two commands, each writing JSON under `--out`:
                        fwd+bwd (`LOSS_GRID`: T = 8 x 256, L = 4; BCE bf16 at
                        V = 131,072 and 1,048,576, f32 at 1,048,576, D = 64,
                        and bf16 at D = 128; softmax CE bf16 and f32 at
-                       V = 1,048,576):
-                       min time over repeats, compiled temp bytes, the
+                       V = 1,048,576; where the Mosaic planner takes
+                       32-column tiles, the same kernels at 64 too,
+                       `WIDE_TILE`): min time over repeats, compiled temp bytes, the
                        device's peak bytes in use after each contender; the
                        fused ones checked against xla (loss, gradients);
             3. train   the trainer step of benchmarks/train_bench.py at the
@@ -169,6 +170,23 @@ LOSS_GRID = (("bce", "bfloat16", 1_048_576, 64), ("bce", "float32", 1_048_576, 6
 # Contenders, dense last (it sets the device's peak); the fused ones are
 # checked against xla.
 LOSS_BACKENDS = ("xla", "pallas_gpu", "pallas_triton", "dense")
+# Where the Mosaic planner takes 32-column sweep tiles (float32, D = 128: the
+# widest ptxas compiles without spills), the same kernels at the 64-column
+# tile they had before (a few hundred bytes of spills, twice the tensor-core
+# work per instruction): which is faster is this run's to say.
+WIDE_TILE = "pallas_gpu_bv64"
+
+
+def _contenders(dtype: str, vocab: int, dim: int) -> tuple:
+  """(name, backend, plan) of one LOSS_GRID row's contenders, in LOSS_BACKENDS' order."""
+  import cutbce  # pylint: disable=import-outside-toplevel
+  from cutbce.kernels.gpu import mosaic, mosaic_plan  # pylint: disable=import-outside-toplevel
+  geom = mosaic_plan.geometry(2048, vocab, dim, mosaic.PIECES[dtype])
+  contenders = [(name, name, None) for name in LOSS_BACKENDS]
+  if geom.block_v < 64:
+    wide = (WIDE_TILE, "pallas_gpu", cutbce.TilePlan(block_v=64, block_t=mosaic_plan.BLOCK_T))
+    contenders.insert(2, wide)
+  return tuple(contenders)
 
 
 def _max_rel_error(got, want) -> float:
@@ -190,16 +208,18 @@ def part_loss(out: pathlib.Path, repeats: int) -> dict:
     operands = loss_bench.make_inputs(8, 256, dim, vocab, 4, jnp.dtype(dtype))
     grad = lambda f: jax.value_and_grad(f, argnums=(0, 1))  # noqa: E731
     results, group = {}, []
-    for backend in LOSS_BACKENDS:
-      row = {"kind": kind, "dtype": dtype, "vocab": vocab, "backend": backend,
+    for name, backend, plan in _contenders(jnp.dtype(dtype), vocab, dim):
+      row = {"kind": kind, "dtype": dtype, "vocab": vocab, "backend": name,
              "tokens": 2048, "dim": dim}
+      if plan is not None:
+        row["block_v"] = plan.block_v
       try:
         compiled, temp = loss_bench.compile_with_temp(
-            grad(loss_bench.loss_fn(backend, kind=kind)), operands)
+            grad(loss_bench.loss_fn(backend, plan=plan, kind=kind)), operands)
         row["temp_bytes"] = int(temp)
-        row["seconds"] = loss_bench.interleaved_min_times({backend: compiled}, operands,
-                                                          repeats)[backend]
-        results[backend] = compiled(*operands)
+        row["seconds"] = loss_bench.interleaved_min_times({name: compiled}, operands,
+                                                          repeats)[name]
+        results[name] = compiled(*operands)
         stats = device.memory_stats() or {}
         row["device_peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
       except Exception as error:  # pylint: disable=broad-except

@@ -585,8 +585,8 @@ def _table_kernel(*refs, geom: Geometry, flags: Flags, side: Side, interpret: bo
                 collective_axes=WARPGROUPS)
 
 
-def _table_update(carry, hidden_tile, table_tile, grad_refs, bias, vocab_start, side_values,
-                  geom: Geometry, flags: Flags, interpret: bool):
+def _table_update(carry, hidden_tile, table_tile, grad_refs, bias_smem, vocab_start,
+                  side_values, geom: Geometry, flags: Flags, interpret: bool):
   """(dE, db) after one token tile: its logits against the table tile, G (stored as pieces
   in `grad_refs`), db += sum_t G and dE += G^T H ([64 items, 64 tokens] x [64 tokens, Dp]).
   The elementwise work goes `ELEMENTWISE_COLUMNS` items at a time, as the sweep's does;
@@ -594,14 +594,15 @@ def _table_update(carry, hidden_tile, table_tile, grad_refs, bias, vocab_start, 
   table_grad, bias_grads = carry
   products = pieces.PRODUCTS[geom.pieces]
   logits = ops.dot_nt(hidden_tile, table_tile, products, interpret)  # [64 tokens, 64 items]
-  if bias is not None:
-    logits = logits + _columns(bias, logits.shape)
+  if bias_smem is not None:  # read in each step: held across the loop it spilled (float32)
+    logits = logits + _columns(ops.load_vector(bias_smem, ops.COLUMNS, interpret),
+                               logits.shape)
   # Made in the step, not held across it: a tile of indices is 32 registers.
   columns = vocab_start + ops.iota((BLOCK_T, TABLE_BLOCK_V), 1, interpret)
   new_bias_grads = []
   for index, chunk in enumerate(_column_chunks(TABLE_BLOCK_V)):
     grad = _grad_tile(flags.kind, logits[:, chunk], columns[:, chunk], geom, side_values)
-    if bias is not None:
+    if bias_smem is not None:
       new_bias_grads.append(bias_grads[index] + jnp.sum(grad, axis=0))
     _store_pieces(grad, [ref.at[:, chunk] for ref in grad_refs])
   plgpu.commit_smem()
@@ -677,13 +678,12 @@ def _table_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, interp
   for slot in range(min(stages, num_tiles)):
     issue(slot, slot)
   plgpu.barrier_wait(resident_barrier.at[0])
-  bias = ops.load_vector(bias_smem, ops.COLUMNS, interpret) if has_bias else None
 
   def step(tile, carry):
     slot = lax.rem(tile, stages)
     plgpu.barrier_wait(stream_barrier.at[slot])
     carry = _table_update(carry, [smem.at[slot] for smem in hidden_smem], table_smem,
-                          grad_smem, bias, vocab_start,
+                          grad_smem, bias_smem, vocab_start,
                           _load_side(side_smem, side, interpret, slot), geom, flags, interpret)
     refill = tile + stages
     pl.when(refill < num_tiles)(lambda: issue(refill, slot))
@@ -719,15 +719,14 @@ def _table_ws_body(refs, *scratch, geom: Geometry, flags: Flags, side: Side, int
     for src, dst in resident:
       plgpu.copy_gmem_to_smem(src, dst, resident_barrier.at[warpgroup])
     plgpu.barrier_wait(resident_barrier.at[warpgroup])
-    bias = (ops.load_vector(bias_smem.at[warpgroup], ops.COLUMNS, interpret) if has_bias
-            else None)
+    own_bias = bias_smem.at[warpgroup] if has_bias else None
     own_grad = [smem.at[warpgroup] for smem in grad_smem]
 
     def step(tile, carry):
       slot = lax.rem(tile, stages)
       plgpu.barrier_wait(stream_barrier.at[slot])
       carry = _table_update(carry, [smem.at[slot] for smem in hidden_smem], own_table,
-                            own_grad, bias, vocab_start,
+                            own_grad, own_bias, vocab_start,
                             _load_side(side_smem, side, interpret, slot), geom, flags,
                             interpret)
       plgpu.barrier_arrive(consumed_barrier.at[slot])

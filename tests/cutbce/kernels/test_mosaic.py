@@ -43,12 +43,15 @@ def _run(fn, args, **kwargs):
   return value, stats, grads, jaxpr
 
 
-@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
-def test_float32_matches_float64_and_runs_the_mosaic_kernels(one_pass):
+@pytest.mark.parametrize("one_pass,plan", [(True, PLAN), (False, PLAN), (True, None)],
+                         ids=["one-pass", "two-pass", "planned-32-column-tiles"])
+def test_float32_matches_float64_and_runs_the_mosaic_kernels(one_pass, plan):
   raw = cases.make_case(CASE, seed=0, logit_scale=2.0)
   kwargs = dict(num_items=NUM_ITEMS, vocab_reduction="sum")
   value, stats, grads, jaxpr = _run(cutbce.cut_bce, _jnp(raw, jnp.float32),
-                                    backend="pallas_gpu", plan=PLAN, one_pass=one_pass, **kwargs)
+                                    backend="pallas_gpu", plan=plan, one_pass=one_pass, **kwargs)
+  # The planner's own tile for float32: 32 columns, one elementwise chunk each.
+  assert ("_bv32_" in jaxpr) == (plan is None) and ("_bv64_" in jaxpr) == (plan is PLAN)
   want, want_grads, want_stats = np_reference.bce(
       raw["hidden"], raw["table"], raw["targets"], raw["weights"], bias=raw["bias"],
       exclude=raw["exclude"], **kwargs)
@@ -195,13 +198,20 @@ def test_planner_fits_shared_memory_and_registers_on_hopper():
         continue
       assert mosaic_plan.sweep_shared_bytes(geom.block_v, geom.dim_padded, pieces, 19,
                                             geom.stages, geom.consumers) <= budget
-      # Warp-specialized (two consumers) wherever their buffers fit: all but float32 at
-      # D = 128 and bfloat16 at D = 192, which keep one warpgroup per CTA.
-      assert geom.consumers == (1 if (pieces, dim) in ((3, 128), (1, 192)) else 2), geom
+      # Warp-specialized (two consumers) wherever their buffers fit: all sweeps but
+      # float32 at D = 128, all dE kernels but that one and bfloat16 at D = 192.
+      assert geom.consumers == (1 if (pieces, dim) == (3, 128) else 2), geom
       assert geom.tokens_padded % (64 * geom.consumers) == 0, geom
       assert mosaic_plan.table_shared_bytes(geom.dim_padded, pieces, 19,
                                             geom.table_stages, geom.table_consumers) <= budget
-      assert geom.table_consumers == geom.consumers, geom
+      assert geom.table_consumers == (1 if (pieces, dim) in ((3, 128), (1, 192)) else 2), geom
+      # The widest tile where ptxas spilled nothing: 128 columns for bfloat16 at D <= 64,
+      # 32 for float32 and D = 128; bfloat16 at D = 192 has none and takes 32 (it spills).
+      want = {(1, 24): 128, (1, 64): 128, (3, 24): 32, (3, 64): 32, (1, 128): 32,
+              (3, 128): 32, (1, 192): 32}[pieces, dim]
+      assert geom.block_v == want, geom
+      assert (mosaic_plan.sweep_registers(geom.block_v, geom.dim_padded, pieces)
+              <= mosaic_plan.spill_free_values(geom.dim_padded, pieces)) == (dim != 192), geom
       assert geom.vocab_padded % (64 * geom.table_consumers) == 0, geom
       assert mosaic_plan.sweep_registers(geom.block_v, geom.dim_padded, pieces) <= (
           mosaic_plan.REGISTER_VALUES)

@@ -11,8 +11,8 @@ shapes per dtype the checks are the ones a fast fused kernel must pass:
   one dh dot per tile, the table kernel one logit dot and one dE dot;
 - at most 2 special-function (MUFU) instructions per logit: one ex2 and one
   rcp (softplus' log is a polynomial, sigmoid shares the exponential);
-- registers within 255 and spills small (`MAX_SPILL_BYTES`: ptxas takes all
-  255 registers and spills a little, more for float32's six products);
+- registers within 255 and no spills (`max_spill_bytes`: none anywhere but
+  jax 0.12's float32 dE kernel with a bias, a few bytes);
 - no buffer of T x V elements in the compiled program.
 
 Needs jax's CUDA plugin and ptxas (`make test-gpu`); skipped with one line
@@ -36,12 +36,16 @@ from cutbce.kernels.gpu import ptx, targets  # noqa: E402
 pytestmark = pytest.mark.skipif(not targets.cuda_plugin_available(),
                                 reason="jax's CUDA plugin missing: make test-gpu")
 
-# The warp-specialized consumers get 232 registers and ptxas spills a little
-# where the fixed columns are many or float32's six products and G's three
-# pieces are live (spill stores + loads, counted once; the figures per
-# kernel and jax version: docs/kernels.md, "Compiled for sm_90a"). Kept within
-# these bounds until a GPU run says whether they cost time.
-MAX_SPILL_BYTES = {"bfloat16": 512, "float32": 512}
+# ptxas spills nothing (the planner takes the widest sweep tile it compiled
+# without spills, `mosaic_plan.spill_free_values`) but in jax 0.12's float32
+# dE kernel where a bias is added (20-64 B, spill stores + loads counted once:
+# one reload per token tile in its loop, read from the SASS; jax 0.10.2: 0 B;
+# docs/kernels.md, "Compiled for sm_90a").
+F32_TABLE_SPILL_BYTES = 64
+
+
+def max_spill_bytes(kernel: str, dtype: str) -> int:
+  return F32_TABLE_SPILL_BYTES if dtype == "float32" and "table_grad" in kernel else 0
 
 # (target, T, V, D, dtype, L, bias, exclude, num_items)
 CASES = [
@@ -83,7 +87,7 @@ def test_tensor_cores_one_logit_per_tile_two_mufu_per_logit(case):
     # Tensor cores only, on bfloat16 operands, float32 accumulation.
     assert report.wgmma and all(k.endswith(".f32.bf16.bf16") for k in report.wgmma), report
     assert report.registers <= 255
-    assert report.spill_bytes <= MAX_SPILL_BYTES[dtype], report
+    assert report.spill_bytes <= max_spill_bytes(report.name, dtype), report
   # One logit dot ([64, block_v], K = Dp) and one dh dot ([64, Dp], K = block_v) per tile.
   assert sweep.wgmma_count() == products * (dim_padded // 16 + block_v // 16), sweep
   assert sweep.wgmma_count(f"m64n{block_v}k16") >= products * dim_padded // 16, sweep
@@ -109,7 +113,7 @@ def test_two_passes_compile_a_forward_only_sweep():
   block_v = int(re.search(r"_bv(\d+)_", forward.name).group(1))
   assert forward.wgmma_count() == 64 // 16, forward
   assert forward.mufu_count / (64 * block_v // 128) <= 2, forward
-  assert forward.spill_bytes <= MAX_SPILL_BYTES["bfloat16"], forward
+  assert all(report.spill_bytes == 0 for report in reports.values()), reports
 
 
 def test_temp_memory_is_flat_in_vocab():
@@ -136,7 +140,7 @@ def test_softmax_kernels_one_exp_per_logit(dtype):
                    "cutbce_mosaic_softmax_table_grad"], names
   for name, report in reports.items():
     assert report.wgmma and all(k.endswith(".f32.bf16.bf16") for k in report.wgmma), report
-    assert report.spill_bytes <= MAX_SPILL_BYTES[dtype], report
+    assert report.spill_bytes <= max_spill_bytes(name, dtype), report
     block_v = int(re.search(r"_bv(\d+)_", name).group(1)) if "_bv" in name else 64
     logits_per_thread = 64 * block_v // 128
     # exp(x - m) per logit, and the forward's rescale exp(m - m') per row (2 rows a thread).
