@@ -6,7 +6,12 @@ function (MUFU) instructions per logit, and HBM bytes. Its floor on a part is
 the largest of the three times, at the part's rates (`RATES`: dense tensor
 throughput without sparsity, MUFU 16 per clock per SM, HBM bandwidth), i.e.
 perfect overlap: no kernel can beat it, a fused one should come within a
-small factor. Float32 on the tensor cores costs six bfloat16 products
+small factor. The Mosaic kernels have a fourth, shared memory: each
+`wgmma m64nNk16` reads its A (64 x 16) and B (N x 16) bfloat16 operands from
+shared memory at 128 bytes per clock per SM, so narrow tiles (N = 32: 3 KB
+per 32K multiply-adds) are bound by it, not by the tensor cores; its figure
+is for the planner's tiles (and, as "pallas_gpu_bv64", the 64-column tile
+where the planner takes 32: `benchmarks/gpu_run.py`'s WIDE_TILE). Float32 on the tensor cores costs six bfloat16 products
 (`cutbce/kernels/gpu/pieces.py`); XLA and the dense loss use TF32 (three
 TF32 products' worth of time would be the same).
 
@@ -38,8 +43,10 @@ sys.path.insert(0, str(ROOT))
 
 # Per part: dense tensor flop/s by operand type, MUFU instructions/s, HBM bytes/s.
 RATES = {
-    "h200": {"bfloat16": 989e12, "tf32": 494e12, "mufu": 132 * 16 * 1.98e9, "hbm": 4.8e12},
-    "h100": {"bfloat16": 989e12, "tf32": 494e12, "mufu": 132 * 16 * 1.98e9, "hbm": 3.35e12},
+    "h200": {"bfloat16": 989e12, "tf32": 494e12, "mufu": 132 * 16 * 1.98e9, "hbm": 4.8e12,
+             "smem": 132 * 128 * 1.98e9},
+    "h100": {"bfloat16": 989e12, "tf32": 494e12, "mufu": 132 * 16 * 1.98e9, "hbm": 3.35e12,
+             "smem": 132 * 128 * 1.98e9},
 }
 # Per backend, BCE fwd + bwd in one pass: (GEMMs, MUFU per logit, HBM bytes per
 # logit, table-sized f32 passes). Read from the code (docs/kernels.md, "Mosaic
@@ -57,9 +64,34 @@ WORK = {
     "xla": {"gemms": 3, "mufu": 3, "bytes_per_logit": 26, "table_passes": 5},
     "dense": {"gemms": 3, "mufu": 3, "bytes_per_logit": 16, "table_passes": 3},
 }
+WORK["pallas_gpu_bv64"] = WORK["pallas_gpu"]  # the same kernels at 64-column sweep tiles
 SHAPES = [(2048, 131_072, 64), (2048, 1_048_576, 64), (2048, 1_048_576, 128)]
 # Old runs whose "pallas_gpu" was the Triton set (before the Mosaic kernels).
 TRITON_ERA = {"docs/results/gpu_h200/loss.json"}
+
+
+def sweep_block_v(backend: str, part: str, tokens: int, vocab: int, dim: int,
+                  dtype: str) -> int:
+  """The Mosaic sweep's tile: the planner's, or 64 for "pallas_gpu_bv64"."""
+  from cutbce.kernels.gpu import mosaic_plan, targets  # pylint: disable=import-outside-toplevel
+  if backend == "pallas_gpu_bv64":
+    return 64
+  return mosaic_plan.geometry(tokens, vocab, dim, 3 if dtype == "float32" else 1,
+                              spec=targets.spec(part)).block_v
+
+
+def mosaic_smem_bytes(tokens: int, vocab: int, dim: int, dtype: str, block_v: int) -> float:
+  """Shared memory the Mosaic kernels' wgmma read: each m64nNk16 its A (64 x 16) and B
+  (N x 16) bfloat16 operands, every product of float32's pieces."""
+  products = 6 if dtype == "float32" else 1
+  dim_padded = -(-dim // 64) * 64
+  per_instruction = lambda n: 2 * 16 * (64 + n)  # noqa: E731  (bytes of A and B)
+  tiles = (tokens / 64) * (vocab / block_v)  # the sweep's (token, table) tile pairs
+  sweep = tiles * (dim_padded / 16 * per_instruction(block_v)  # logits: N = block_v, K = Dp
+                   + block_v / 16 * per_instruction(dim_padded))  # dh: N = Dp, K = block_v
+  pairs = (tokens / 64) * (vocab / 64)  # the dE kernel's 64 x 64 tiles
+  table = pairs * (dim_padded / 16 * per_instruction(64) + 64 / 16 * per_instruction(dim_padded))
+  return products * (sweep + table)
 
 
 def floor(backend: str, part: str, tokens: int, vocab: int, dim: int, dtype: str) -> dict:
@@ -78,6 +110,10 @@ def floor(backend: str, part: str, tokens: int, vocab: int, dim: int, dtype: str
   bounds = {"gemm_ms": 1e3 * flops / flops_rate,
             "mufu_ms": 1e3 * work["mufu"] * logits / rates["mufu"],
             "hbm_ms": 1e3 * hbm_bytes / rates["hbm"]}
+  if backend.startswith("pallas_gpu"):
+    block_v = sweep_block_v(backend, part, tokens, vocab, dim, dtype)
+    bounds["smem_ms"] = 1e3 * mosaic_smem_bytes(tokens, vocab, dim, dtype,
+                                                block_v) / rates["smem"]
   return {**{k: round(v, 3) for k, v in bounds.items()},
           "floor_ms": round(max(bounds.values()), 3)}
 
@@ -136,11 +172,14 @@ def main() -> None:
   args = parser.parse_args()
   measured = measured_rows(p for p in args.measured if pathlib.Path(p).exists())
   rows = []
-  print(f"{'backend':>14} {'dtype':>8} {'V':>9} {'D':>4} {'gemm':>7} {'mufu':>7} {'hbm':>7} "
-        f"{'floor ms':>9} {'measured':>9} {'x floor':>8}")
+  print(f"{'backend':>15} {'dtype':>8} {'V':>9} {'D':>4} {'gemm':>7} {'mufu':>7} {'hbm':>7} "
+        f"{'smem':>7} {'floor ms':>9} {'measured':>9} {'x floor':>8}")
   for tokens, vocab, dim in SHAPES:
     for dtype in ("bfloat16", "float32"):
       for backend in WORK:
+        if backend == "pallas_gpu_bv64" and sweep_block_v(
+            "pallas_gpu", args.part, tokens, vocab, dim, dtype) >= 64:
+          continue  # the planner's own tile
         row = {"backend": backend, "part": args.part, "tokens": tokens, "vocab": vocab,
                "dim": dim, "dtype": dtype, **floor(backend, args.part, tokens, vocab, dim, dtype)}
         hit = measured.get((backend, vocab, dim, dtype))
@@ -151,8 +190,9 @@ def main() -> None:
         rows.append(row)
         shown = (f"{row['measured_ms']:9.2f} {row['measured_over_floor']:8.1f}" if hit
                  else f"{'-':>9} {'-':>8}")
-        print(f"{backend:>14} {dtype:>8} {vocab:>9} {dim:>4} {row['gemm_ms']:7.2f} "
-              f"{row['mufu_ms']:7.2f} {row['hbm_ms']:7.2f} {row['floor_ms']:9.2f} {shown}")
+        smem = f"{row['smem_ms']:7.2f}" if "smem_ms" in row else f"{'-':>7}"
+        print(f"{backend:>15} {dtype:>8} {vocab:>9} {dim:>4} {row['gemm_ms']:7.2f} "
+              f"{row['mufu_ms']:7.2f} {row['hbm_ms']:7.2f} {smem} {row['floor_ms']:9.2f} {shown}")
   result = {"what": "BCE fwd + bwd floors per backend (arithmetic), measured where a device ran",
             "command": " ".join(sys.argv), "rates": RATES[args.part], "work": WORK, "rows": rows}
   if args.static:

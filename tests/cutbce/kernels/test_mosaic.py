@@ -281,3 +281,15 @@ def test_interpreted_in_a_shard_map_of_several_devices_runs_the_triton_kernels()
       args["hidden"], args["table"])
   np.testing.assert_allclose(float(got), float(want), rtol=2e-6)
   _assert_grads(got_grads, want_grads, 1e-4, 1e-6)
+
+
+def test_roofline_counts_the_shared_memory_wgmma_reads():
+  """Each m64nNk16 reads A (64 x 16) and B (N x 16) bfloat16 operands: at T = V = D = 64
+  the sweep's 4 + 4 and the dE kernel's 4 + 4 instructions read 4 KB each; float32's
+  six products six times that. 32-column tiles read more per multiply-add than 64."""
+  from benchmarks import gpu_roofline  # pylint: disable=import-outside-toplevel
+  assert gpu_roofline.mosaic_smem_bytes(64, 64, 64, "bfloat16", 64) == 16 * 4096
+  assert gpu_roofline.mosaic_smem_bytes(64, 64, 64, "float32", 64) == 6 * 16 * 4096
+  narrow, wide = (gpu_roofline.floor(backend, "h200", 2048, 1 << 20, 64, "float32")
+                  for backend in ("pallas_gpu", "pallas_gpu_bv64"))
+  assert narrow["smem_ms"] > wide["smem_ms"] and narrow["floor_ms"] >= narrow["gemm_ms"]
