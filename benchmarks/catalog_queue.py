@@ -15,6 +15,14 @@ started again, so the queue can span sessions.
     python benchmarks/catalog_queue.py --only exact_bce   # one entry
     python benchmarks/catalog_queue.py --cost             # each loss's step: memory, time
     python benchmarks/catalog_queue.py --table            # the results side by side
+    python benchmarks/catalog_queue.py --catalog 1m --list   # the same at 10^6 items
+
+`--catalog 1m` is the same queue on `configs/synthetic_1m_catalog.py` (the
+same model on 10^6 items, 60,000 users) into `runs/catalog_1m/` and
+`docs/results/catalog/synthetic_1m/`: a GPU's job, which
+`benchmarks/gpu_run.py device --runs catalog_1m_NAME ...` runs there (its
+`CATALOG_1M_RUNS`); copy each `quality/catalog_1m_NAME.json` it writes to
+`docs/results/catalog/synthetic_1m/NAME.json`.
 
 `--cost` compiles each entry's train step as its run does (the trainer's
 step on the host's 8 simulated devices, random ids of the config's shapes)
@@ -38,13 +46,29 @@ import pathlib
 import shlex
 import subprocess
 import sys
+from typing import NamedTuple
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIG = "configs/synthetic_100k.py"
-RUNS = "runs/catalog_100k"
-RESULTS = "docs/results/catalog/synthetic_100k"
 
-# name -> the config overrides of its loss (everything else as CONFIG says).
+
+class Catalog(NamedTuple):
+  """Where one catalog's runs come from and go."""
+  config: str
+  runs: str  # run folders (checkpoints), ignored by git
+  results: str  # one JSON per finished run
+  num_items: int  # the catalog of the config's synthetic_topics data
+
+
+# --catalog: 10^5 items on this machine's CPU; 10^6 a GPU's (benchmarks/gpu_run.py
+# runs these entries as catalog_1m_NAME, mesh data=1).
+CATALOGS = {
+    "100k": Catalog("configs/synthetic_100k.py", "runs/catalog_100k",
+                    "docs/results/catalog/synthetic_100k", 100_000),
+    "1m": Catalog("configs/synthetic_1m_catalog.py", "runs/catalog_1m",
+                  "docs/results/catalog/synthetic_1m", 1_000_000),
+}
+
+# name -> the config overrides of its loss (everything else as the catalog's config says).
 QUEUE = {
     "exact_bce": ["loss.kind=bce"],
     "exact_softmax_ce": ["loss.kind=softmax_ce"],
@@ -77,18 +101,17 @@ QUEUE.update({f"{name}_seed{seed}": [*QUEUE[name], f"seed={seed}"]
               for seed in SEEDS for name in SEEDED})
 
 
-def command(name: str) -> list[str]:
+def command(name: str, catalog: str = "100k") -> list[str]:
   """The `ml1m_quality.py train` command line of one queue entry."""
+  where = CATALOGS[catalog]
   sets = [arg for override in QUEUE[name] for arg in ("--set", override)]
-  return [sys.executable, "benchmarks/ml1m_quality.py", "train", "--config", CONFIG, *sets,
-          "--workdir", f"{RUNS}/{name}", "--out", f"{RESULTS}/{name}.json"]
+  return [sys.executable, "benchmarks/ml1m_quality.py", "train", "--config", where.config,
+          *sets, "--workdir", f"{where.runs}/{name}", "--out", f"{where.results}/{name}.json"]
 
-
-NUM_ITEMS = 100_000  # the catalog of CONFIG's synthetic_topics data
 GIB = 2**30
 
 
-def cost(names: list[str], repeats: int) -> dict:
+def cost(names: list[str], repeats: int, catalog: str = "100k") -> dict:
   """Each entry's compiled per-device memory and step time, timed interleaved."""
   device_flag = "--xla_force_host_platform_device_count=8"
   if device_flag not in os.environ.get("XLA_FLAGS", ""):
@@ -99,15 +122,16 @@ def cost(names: list[str], repeats: int) -> dict:
   from trainer import train as train_lib  # pylint: disable=import-outside-toplevel
   from trainer.config import mesh as config_mesh  # pylint: disable=import-outside-toplevel
 
-  steps, out = {}, {"config": CONFIG, "num_items": NUM_ITEMS, "losses": {}}
+  where = CATALOGS[catalog]
+  steps, out = {}, {"config": where.config, "num_items": where.num_items, "losses": {}}
   for name in names:
-    config = ml1m_quality.load_config(CONFIG, QUEUE[name])
+    config = ml1m_quality.load_config(where.config, QUEUE[name])
     settings = train_lib.step_settings(config, mesh=config_mesh.make_mesh(config),
-                                       num_items=NUM_ITEMS)
+                                       num_items=where.num_items)
     if train_lib.needs_item_counts(settings):
       out["losses"][name] = {"not_measured": "needs the data's item-count table"}
       continue
-    step = train_bench.Step(config, NUM_ITEMS)
+    step = train_bench.Step(config, where.num_items)
     memory = step.compile()
     out["losses"][name] = {"overrides": QUEUE[name], "memory": memory}
     steps[name] = step
@@ -136,12 +160,13 @@ def _mean_spread(values: list[float]) -> str:
   return f"{mean:.4f} +- {std:.4f}"
 
 
-def table() -> str:
+def table(catalog: str = "100k") -> str:
   """The finished runs beside each other (markdown): quality at equal steps, cost.
 
   An entry's other-seed twins (`NAME_seedS`) share its row: NDCG@10 and HR@10
   as mean +- standard deviation over the seeds whose JSON exists."""
-  cost_path = ROOT / RESULTS / "cost.json"
+  results = ROOT / CATALOGS[catalog].results
+  cost_path = results / "cost.json"
   costs = json.loads(cost_path.read_text())["losses"] if cost_path.exists() else {}
   lines = ["| loss | test NDCG@10 | HR@10 | seeds | steps | step s (interleaved) | "
            "temp GiB / device | peak GiB / device |", "|---|---|---|---|---|---|---|---|"]
@@ -149,7 +174,7 @@ def table() -> str:
     if name.endswith(tuple(f"_seed{seed}" for seed in SEEDS)):
       continue  # in its entry's row
     runs = [json.loads(path.read_text()) for path in
-            (ROOT / RESULTS / f"{n}.json" for n in _seeds_of(name)) if path.exists()]
+            (results / f"{n}.json" for n in _seeds_of(name)) if path.exists()]
     if not runs:
       continue
     c = costs.get(name, {})
@@ -172,28 +197,32 @@ def main(argv=None) -> int:
                       help="compile and time each entry's step (no training)")
   parser.add_argument("--repeats", type=int, default=5, help="--cost: timed rounds")
   parser.add_argument("--table", action="store_true", help="print the results and stop")
+  parser.add_argument("--catalog", choices=sorted(CATALOGS), default="100k",
+                      help="the synthetic catalog: 10^5 items (CPU) or 10^6 (a GPU's)")
   args = parser.parse_args(argv)
   names = args.only or list(QUEUE)
+  results = CATALOGS[args.catalog].results
   if args.table:
-    print(table())
+    print(table(args.catalog))
     return 0
   if args.cost:
-    result = cost(names, args.repeats)
-    path = ROOT / RESULTS / "cost.json"
+    result = cost(names, args.repeats, args.catalog)
+    path = ROOT / results / "cost.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path.relative_to(ROOT)}")
     return 0
   for name in names:
-    done = (ROOT / RESULTS / f"{name}.json").exists()
+    line = command(name, args.catalog)
+    done = (ROOT / results / f"{name}.json").exists()
     if args.list:
-      print(f"{'done' if done else 'todo':>4}  {name:<32} {shlex.join(command(name)[1:])}")
+      print(f"{'done' if done else 'todo':>4}  {name:<32} {shlex.join(line[1:])}")
       continue
     if done:
-      print(f"== {name}: done ({RESULTS}/{name}.json)", flush=True)
+      print(f"== {name}: done ({results}/{name}.json)", flush=True)
       continue
-    print(f"== {name}: {shlex.join(command(name)[1:])}", flush=True)
-    status = subprocess.run(command(name), cwd=ROOT, check=False).returncode
+    print(f"== {name}: {shlex.join(line[1:])}", flush=True)
+    status = subprocess.run(line, cwd=ROOT, check=False).returncode
     if status:
       print(f"== {name}: exit status {status}; the queue stops here", flush=True)
       return status

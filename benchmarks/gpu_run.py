@@ -357,14 +357,26 @@ QUALITY_GRID += (
     ("gsasrec_seed1", "configs/ml1m_gsasrec.py", ["seed=1"]),
     ("gsasrec_seed2", "configs/ml1m_gsasrec.py", ["seed=2"]),
 )
+# Issue 39's catalog benchmark at 10^6 items (`benchmarks/catalog_queue.py
+# --catalog 1m`: configs/synthetic_1m_catalog.py, the 10^5 recipe on a 10x
+# catalog): the exact losses and the sampled ones at equal steps (2,500).
+import catalog_queue  # noqa: E402  pylint: disable=wrong-import-position
+CATALOG_1M_RUNS = tuple(f"catalog_1m_{name}" for name in (
+    "exact_bce_2500", "exact_softmax_ce_2500", "sampled_softmax_k1024_wall",
+    "sampled_softmax_k128_wall", "sampled_softmax_k128_pop_logq_wall", "gbce_k256_wall"))
+QUALITY_GRID += tuple(
+    (name, catalog_queue.CATALOGS["1m"].config,
+     list(catalog_queue.QUEUE[name.removeprefix("catalog_1m_")])) for name in CATALOG_1M_RUNS)
 # The runs a plain `device` call makes: eight at a time (eight shared one H200
 # in 190-250 s), the first of what the grid has not measured yet: issue 39's
 # SASRec+ with 3,000 negatives (on 2 CPU cores 0.61 steps/s, 1 h 50 min a
 # run), the exclusion's seeds on the best recipe, and three of the replica's
 # changes one at a time on the recipe A. The replica's three seeds ran on CPU
 # (docs/results.md). LATER_RUNS wait for the next device (--runs names them):
-# the other changes, issue 33's sampled baselines on the best recipe, and
-# gSASRec (90,000 steps each: give it --quality-s to match).
+# the other changes, issue 33's sampled baselines on the best recipe,
+# gSASRec (90,000 steps each: give it --quality-s to match) and the six
+# 10^6-item catalog runs (CATALOG_1M_RUNS; their JSONs go to
+# docs/results/catalog/synthetic_1m/ without the prefix).
 NEXT_RUNS = ("replica_3000_seed0", "replica_3000_seed1", "replica_3000_seed2",
              "ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2", "a_sasrec_block_seed0",
              "a_from_first_seed0", "a_init_seed0")
@@ -372,7 +384,8 @@ LATER_RUNS = ("a_no_clip_seed0", "a_4000_steps_seed0", "best_replica_model_seed0
               "best_sampled_softmax_k128_seed0", "best_sampled_softmax_k1024_seed0",
               "best_sampled_softmax_k128_pop_logq_seed0", "best_sampled_softmax_k128_pop_seed0",
               "best_gbce_k256_seed0", "best_gbce_k256_item_bias_seed0",
-              "bce_capacity_item_bias_seed0", "gsasrec_seed0", "gsasrec_seed1", "gsasrec_seed2")
+              "bce_capacity_item_bias_seed0", "gsasrec_seed0", "gsasrec_seed1", "gsasrec_seed2",
+              *CATALOG_1M_RUNS)
 
 
 def part_quality(out: pathlib.Path, limit_s: int, names) -> dict:

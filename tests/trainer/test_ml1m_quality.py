@@ -86,8 +86,10 @@ def test_the_catalog_queue_differs_in_the_loss_and_the_steps_alone(tmp_path, mon
     assert all(o.startswith("loss.") or (name.endswith(("_wall", "_2500"))
                                          and o == "train_steps=2500")
                for o in overrides), (name, overrides)
-    line = queue.command(name)
-    assert line[line.index("--config") + 1] == queue.CONFIG and line[-1].endswith(f"/{name}.json")
+    for catalog, where in queue.CATALOGS.items():
+      line = queue.command(name, catalog)
+      assert line[line.index("--config") + 1] == where.config, (catalog, line)
+      assert line[-1] == f"{where.results}/{name}.json", (catalog, line)
   assert queue.QUEUE["gbce_k256_wall"][:-1] == queue.QUEUE["gbce_k256"]
   results = tmp_path / "results"
   results.mkdir()
@@ -96,7 +98,7 @@ def test_the_catalog_queue_differs_in_the_loss_and_the_steps_alone(tmp_path, mon
       "median_step_s": 1.5, "memory": {"temp_bytes_per_device": 2**30,
                                        "peak_bytes_per_device": 2**31}}}}))
   monkeypatch.setattr(queue, "ROOT", tmp_path)
-  monkeypatch.setattr(queue, "RESULTS", "results")
+  monkeypatch.setitem(queue.CATALOGS, "100k", queue.CATALOGS["100k"]._replace(results="results"))
   rows = queue.table().splitlines()
   assert rows[2] == "| exact_bce | 0.1235 | 0.2000 | 1 | 500 | 1.500 | 1.000 | 2.000 |"
   assert len(rows) == 3

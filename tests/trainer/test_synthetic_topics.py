@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from configs import synthetic_100k, synthetic_1m_topics
+from configs import synthetic_100k, synthetic_1m_catalog, synthetic_1m_topics
 from trainer.config import keys
 from trainer.config.schema import ConfigError
 from trainer.data import prepare, sources, synthetic, synthetic_ceiling, synthetic_topics
@@ -142,7 +142,7 @@ def test_bad_arguments_raise_one_config_error(bad, named):
   assert message.startswith(named) and "\n" not in message, message
 
 
-@pytest.mark.parametrize("module", [synthetic_100k, synthetic_1m_topics])
+@pytest.mark.parametrize("module", [synthetic_100k, synthetic_1m_topics, synthetic_1m_catalog])
 def test_configs_check(module):
   config = module.get_config()
   keys.check(config, keys.Context(device_count=8))
