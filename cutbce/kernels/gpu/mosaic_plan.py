@@ -212,10 +212,10 @@ def geometry(num_tokens: int, num_items: int, dim: int, pieces: int, token_rows:
   dim_padded = round_up(dim, DIM_ALIGN)
   budget = SHARED_MEMORY_FRACTION * spec.shared_memory_per_block_optin
   candidates = (plan.block_v,) if plan is not None else VOCAB_BLOCKS
-  values = lambda v: sweep_registers(v, dim_padded, pieces)  # noqa: E731
-  spill_free = [v for v in candidates if values(v) <= spill_free_values(dim_padded, pieces)]
+  live = lambda v: sweep_registers(v, dim_padded, pieces)  # noqa: E731
+  spill_free = [v for v in candidates if live(v) <= spill_free_values(dim_padded, pieces)]
   candidates = spill_free + [v for v in candidates
-                             if v not in spill_free and values(v) <= REGISTER_VALUES]
+                             if v not in spill_free and live(v) <= REGISTER_VALUES]
   block_v = stages = consumers = None
   # Warp-specialized first, at any tile (spill-free ones first); one warpgroup
   # where two do not fit.
