@@ -62,6 +62,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import catalog_queue  # noqa: E402  pylint: disable=wrong-import-position
+
 GIB = 2**30
 COMPILE_VOCABS = (131_072, 876_939, 10_000_000)
 COMPILE_SHAPES = dict(tokens=4096, dim=128, num_targets=8)
@@ -172,8 +174,9 @@ LOSS_GRID = (("bce", "bfloat16", 1_048_576, 64), ("bce", "float32", 1_048_576, 6
 LOSS_BACKENDS = ("xla", "pallas_gpu", "pallas_triton", "dense")
 # Where the Mosaic planner takes 32-column sweep tiles (float32, D = 128: the
 # widest ptxas compiles without spills), the same kernels at the 64-column
-# tile they had before (a few hundred bytes of spills, twice the tensor-core
-# work per instruction): which is faster is this run's to say.
+# tile they had before (a few hundred bytes of spills; wgmma twice as wide,
+# half the shared memory read per multiply-add): which is faster is this
+# run's to say.
 WIDE_TILE = "pallas_gpu_bv64"
 
 
@@ -360,7 +363,6 @@ QUALITY_GRID += (
 # Issue 39's catalog benchmark at 10^6 items (`benchmarks/catalog_queue.py
 # --catalog 1m`: configs/synthetic_1m_catalog.py, the 10^5 recipe on a 10x
 # catalog): the exact losses and the sampled ones at equal steps (2,500).
-import catalog_queue  # noqa: E402  pylint: disable=wrong-import-position
 CATALOG_1M_RUNS = tuple(f"catalog_1m_{name}" for name in (
     "exact_bce_2500", "exact_softmax_ce_2500", "sampled_softmax_k1024_wall",
     "sampled_softmax_k128_wall", "sampled_softmax_k128_pop_logq_wall", "gbce_k256_wall"))
