@@ -44,6 +44,7 @@ import json
 import os
 import pathlib
 import shlex
+import statistics
 import subprocess
 import sys
 from typing import NamedTuple
@@ -156,9 +157,7 @@ def _mean_spread(values: list[float]) -> str:
   """One seed's figure, or mean +- sample standard deviation over the seeds."""
   if len(values) == 1:
     return f"{values[0]:.4f}"
-  mean = sum(values) / len(values)
-  std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
-  return f"{mean:.4f} +- {std:.4f}"
+  return f"{statistics.mean(values):.4f} +- {statistics.stdev(values):.4f}"
 
 
 def table(catalog: str = "100k") -> str:

@@ -73,24 +73,30 @@ TRITON_ERA = {"docs/results/gpu_h200/loss.json"}
 def sweep_block_v(backend: str, part: str, tokens: int, vocab: int, dim: int,
                   dtype: str) -> int:
   """The Mosaic sweep's tile: the planner's, or 64 for "pallas_gpu_bv64"."""
-  from cutbce.kernels.gpu import mosaic_plan, targets  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from cutbce.kernels.gpu import mosaic, mosaic_plan, targets  # pylint: disable=import-outside-toplevel
   if backend == "pallas_gpu_bv64":
     return 64
-  return mosaic_plan.geometry(tokens, vocab, dim, 3 if dtype == "float32" else 1,
+  return mosaic_plan.geometry(tokens, vocab, dim, mosaic.PIECES[jnp.dtype(dtype)],
                               spec=targets.spec(part)).block_v
 
 
 def mosaic_smem_bytes(tokens: int, vocab: int, dim: int, dtype: str, block_v: int) -> float:
   """Shared memory the Mosaic kernels' wgmma read: each m64nNk16 its A (64 x 16) and B
   (N x 16) bfloat16 operands, every product of float32's pieces."""
-  products = 6 if dtype == "float32" else 1
-  dim_padded = -(-dim // 64) * 64
-  per_instruction = lambda n: 2 * 16 * (64 + n)  # noqa: E731  (bytes of A and B)
-  tiles = (tokens / 64) * (vocab / block_v)  # the sweep's (token, table) tile pairs
-  sweep = tiles * (dim_padded / 16 * per_instruction(block_v)  # logits: N = block_v, K = Dp
-                   + block_v / 16 * per_instruction(dim_padded))  # dh: N = Dp, K = block_v
-  pairs = (tokens / 64) * (vocab / 64)  # the dE kernel's 64 x 64 tiles
-  table = pairs * (dim_padded / 16 * per_instruction(64) + 64 / 16 * per_instruction(dim_padded))
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from cutbce.kernels.gpu import mosaic, mosaic_plan, pieces  # pylint: disable=import-outside-toplevel
+  rows, table_rows = mosaic_plan.BLOCK_T, mosaic_plan.TABLE_BLOCK_V  # wgmma M of each kernel
+  products = len(pieces.PRODUCTS[mosaic.PIECES[jnp.dtype(dtype)]])
+  dim_padded = mosaic_plan.round_up(dim, mosaic_plan.DIM_ALIGN)
+  k = 16  # wgmma K of bfloat16
+  per_instruction = lambda n: 2 * k * (rows + n)  # noqa: E731  (bytes of A and B)
+  tiles = (tokens / rows) * (vocab / block_v)  # the sweep's (token, table) tile pairs
+  sweep = tiles * (dim_padded / k * per_instruction(block_v)  # logits: N = block_v, K = Dp
+                   + block_v / k * per_instruction(dim_padded))  # dh: N = Dp, K = block_v
+  pairs = (tokens / rows) * (vocab / table_rows)  # the dE kernel's tiles
+  table = pairs * (dim_padded / k * per_instruction(table_rows)  # logits: N = 64, K = Dp
+                   + rows / k * per_instruction(dim_padded))  # dE: N = Dp, K = 64 tokens
   return products * (sweep + table)
 
 
