@@ -22,7 +22,10 @@ same model on 10^6 items, 60,000 users) into `runs/catalog_1m/` and
 `docs/results/catalog/synthetic_1m/`: a GPU's job, which
 `benchmarks/gpu_run.py device --runs catalog_1m_NAME ...` runs there (its
 `CATALOG_1M_RUNS`); copy each `quality/catalog_1m_NAME.json` it writes to
-`docs/results/catalog/synthetic_1m/NAME.json`.
+`docs/results/catalog/synthetic_1m/NAME.json`. `--catalog ciao` runs it on
+real data, `configs/ciao.py` (Ciao's 105,114 products, the file a user
+downloads: docs/data.md), into `runs/catalog_ciao/` and
+`docs/results/catalog/ciao/`.
 
 `--cost` compiles each entry's train step as its run does (the trainer's
 step on the host's 8 simulated devices, random ids of the config's shapes)
@@ -57,16 +60,19 @@ class Catalog(NamedTuple):
   config: str
   runs: str  # run folders (checkpoints), ignored by git
   results: str  # one JSON per finished run
-  num_items: int  # the catalog of the config's synthetic_topics data
+  num_items: int  # the catalog of the config's data
 
 
 # --catalog: 10^5 items on this machine's CPU; 10^6 a GPU's (benchmarks/gpu_run.py
-# runs these entries as catalog_1m_NAME, mesh data=1).
+# runs these entries as catalog_1m_NAME, mesh data=1); Ciao's 105,114 real items
+# (the user's download, trainer/data/ciao.py) on the CPU with the 10^5 recipe.
 CATALOGS = {
     "100k": Catalog("configs/synthetic_100k.py", "runs/catalog_100k",
                     "docs/results/catalog/synthetic_100k", 100_000),
     "1m": Catalog("configs/synthetic_1m_catalog.py", "runs/catalog_1m",
                   "docs/results/catalog/synthetic_1m", 1_000_000),
+    "ciao": Catalog("configs/ciao.py", "runs/catalog_ciao", "docs/results/catalog/ciao",
+                    105_114),
 }
 
 # name -> the config overrides of its loss (everything else as the catalog's config says).
@@ -198,7 +204,8 @@ def main(argv=None) -> int:
   parser.add_argument("--repeats", type=int, default=5, help="--cost: timed rounds")
   parser.add_argument("--table", action="store_true", help="print the results and stop")
   parser.add_argument("--catalog", choices=sorted(CATALOGS), default="100k",
-                      help="the synthetic catalog: 10^5 items (CPU) or 10^6 (a GPU's)")
+                      help="the synthetic catalog of 10^5 items (CPU) or 10^6 (a GPU's), "
+                      "or Ciao's 105,114 real items (CPU; docs/data.md)")
   args = parser.parse_args(argv)
   names = args.only or list(QUEUE)
   results = CATALOGS[args.catalog].results

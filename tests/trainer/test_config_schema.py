@@ -102,6 +102,8 @@ _SETUPS = {
         dataset="ml-1m", source_options={}),
     ("data.dataset", "yambda"): lambda config, folder: config["data"].update(
         dataset="yambda", source_options={"path": str(folder)}),
+    ("data.dataset", "ciao"): lambda config, folder: config["data"].update(
+        dataset="ciao", source_options={"path": str(folder)}),
     ("data.dataset", "files"): lambda config, folder: config["data"].update(
         dataset="files", source_options={"path": str(folder), "user_col": "uid",
                                          "item_col": "item_id", "time_col": "timestamp"}),
@@ -179,7 +181,7 @@ def test_options_of_another_dataset_or_split_are_rejected():
   config["data"]["source_options"]["path"] = "/data"
   with pytest.raises(schema.ConfigError, match=(
       r"^config\.data\.source_options\.path='/data': not a key when config\.data\.dataset="
-      r"'synthetic' \(only for 'yambda', 'files'\); config\.data\.source_options holds num_users, ")):
+      r"'synthetic' \(only for 'yambda', 'files', 'ciao'\); config\.data\.source_options holds num_users, ")):
     config_keys.check(config, EIGHT)
   config = smoke.get_config().to_dict()
   config["data"]["split_options"]["gap"] = 10
@@ -200,6 +202,11 @@ def _prepared_manifest(folder, dataset, seq_len):
 
 def _yambda_missing(config, tmp_path):
   config["data"].update(dataset="yambda", source_options={"path": str(tmp_path / "missing")})
+  return config_keys.Context(device_count=8, workdir=str(tmp_path / "work"))
+
+
+def _ciao_missing(config, tmp_path):
+  _SETUPS[("data.dataset", "ciao")](config, tmp_path / "missing")
   return config_keys.Context(device_count=8, workdir=str(tmp_path / "work"))
 
 
@@ -249,6 +256,7 @@ RULE_BREAKERS = {
         config.update(batch_size=48), config_keys.Context(8, process_count=3))[1],
     "heads_divide_dim": _set_all(model__dim=7, model__num_heads=2),
     "yambda_folder_exists": _yambda_missing,
+    "ciao_file_exists": _ciao_missing,
     "files_path_matches": _files_missing,
     "files_filter_parses": lambda config, tmp_path: (
         _SETUPS[("data.dataset", "files")](config, tmp_path),
@@ -367,7 +375,7 @@ def _cli_bad_values(k: schema.Key) -> list[str]:
 # Flags whose every string is a valid value; their other checks are named here.
 _CLI_OTHER_CHECKS = {"out": "required", "yambda_path": "rule yambda_folder_exists",
                      "cache_dir": "any folder (created when missing)",
-                     "path": "rule files_path_matches",
+                     "path": "rules files_path_matches, ciao_file_exists",
                      "user_col": "rule files_user_col_given",
                      "item_col": "rule files_item_col_given",
                      "time_col": "rule files_time_col_given",

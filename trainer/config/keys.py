@@ -30,7 +30,7 @@ from etils import epath
 
 from cutbce.backends import BACKEND_CHOICES
 from trainer.workdir import paths
-from trainer.data import engine, files, prepare, sources, splits, windows, yambda
+from trainer.data import ciao, engine, files, prepare, sources, splits, windows, yambda
 from trainer.config.schema import (BOOL, FLOAT, INT, INTS, STR, STRS, ConfigError, Rule, above,
                             at_least, flatten, fraction, key, one_of, sections_of, unit)
 from trainer.config import budget, schema
@@ -169,8 +169,9 @@ KEYS: tuple[schema.Key, ...] = (
     key("data.source_options.cache_dir", STR, None, "wheel cache (None: $CUTBCE_DATA or "
         "~/.cache/cutbce)", none_ok=True, when=_MOVIELENS, required=False),
     key("data.source_options.path", STR, None, "yambda: folder of the parquet files; files: "
-        "a file, folder or glob of parquet, CSV, TSV or JSON lines files",
-        when=("data.dataset", ("yambda", "files"))),
+        "a file, folder or glob of parquet, CSV, TSV or JSON lines files; ciao: "
+        "rating_with_timestamp.mat or its folder",
+        when=("data.dataset", ("yambda", "files", "ciao"))),
     key("data.source_options.event", STR, one_of(*yambda.EVENTS), "Yambda event file",
         when=_YAMBDA, required=False),
     key("data.source_options.min_played_ratio", INT, schema.Range(0, 100),
@@ -512,6 +513,19 @@ def _yambda_folder_exists(values, context):
   return None
 
 
+def _ciao_file_exists(values, context):
+  if values["data.dataset"] != "ciao":
+    return None
+  why = _why_raw_data_is_read(values, context)
+  if why is None:
+    return None
+  try:
+    ciao.resolve_ciao(values["data.source_options.path"])
+  except FileNotFoundError as error:
+    return f"Ciao's {ciao.FILE_NAME} or its folder ({why}): {error}"
+  return None
+
+
 def _files_path_matches(values, context):
   if values["data.dataset"] != "files":
     return None
@@ -670,6 +684,11 @@ RULES: tuple[Rule, ...] = (
          keys=("data.source_options.path", "data.dataset", "data.prepared_dir"),
          check=_yambda_folder_exists,
          doc="for Yambda not yet prepared in the data folder: the parquet folder exists "
+         "(checked by each process that prepares, when the workdir is known)"),
+    Rule(name="ciao_file_exists",
+         keys=("data.source_options.path", "data.dataset", "data.prepared_dir"),
+         check=_ciao_file_exists,
+         doc="for Ciao not yet prepared in the data folder: its .mat file exists "
          "(checked by each process that prepares, when the workdir is known)"),
     Rule(name="files_path_matches",
          keys=("data.source_options.path", "data.dataset", "data.prepared_dir"),

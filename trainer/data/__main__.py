@@ -18,6 +18,8 @@ Examples::
   python -m trainer.data --dataset ml-1m --out /data/ml-1m
   python -m trainer.data --dataset yambda --yambda-path /data/yambda/flat/50m \
       --yambda-event listens --split gts --out /data/yambda-50m
+  python -m trainer.data --dataset ciao --path ~/data/ciao/rating_with_timestamp.mat \
+      --out /data/ciao
   python -m trainer.data --dataset synthetic --num-users 100000 \
       --num-items 1000000 --interactions-per-user 100 --out /data/syn
   python -m trainer.data --dataset synthetic_topics --num-users 20000 \
@@ -41,7 +43,7 @@ import sys
 
 from trainer.config import schema
 from trainer.workdir import paths
-from trainer.data import engine, files, prepare, sources, splits, yambda
+from trainer.data import ciao, engine, files, prepare, sources, splits, yambda
 from trainer.config.schema import FLOAT, INT, STR, above, at_least, key, one_of, unit
 
 _IDS = schema.Range(1, 2**31 - 1)
@@ -61,8 +63,8 @@ FLAG_KEYS: tuple[schema.Key, ...] = (
     key("yambda_path", STR, None, "folder holding the Yambda parquet files", none_ok=True),
     key("yambda_event", STR, one_of(*yambda.EVENTS), "Yambda event file"),
     key("min_played_ratio", INT, schema.Range(0, 100), "keep listens with played ratio >= %"),
-    key("path", STR, None, "files: a file, folder or glob of parquet/CSV/TSV/JSON lines",
-        none_ok=True),
+    key("path", STR, None, "files: a file, folder or glob of parquet/CSV/TSV/JSON lines; "
+        "ciao: rating_with_timestamp.mat or its folder", none_ok=True),
     key("user_col", STR, None, "files: column of user ids", none_ok=True),
     key("item_col", STR, None, "files: column of item ids", none_ok=True),
     key("time_col", STR, None, "files: column of event times", none_ok=True),
@@ -122,6 +124,19 @@ def _files_path_matches(values, context):
   return None
 
 
+def _ciao_file_exists(values, context):
+  del context
+  if values["dataset"] != "ciao":
+    return None
+  if values["path"] is None:
+    return f"Ciao's {ciao.FILE_NAME} or its folder (required with --dataset ciao)"
+  try:
+    ciao.resolve_ciao(values["path"])
+  except FileNotFoundError as error:
+    return f"Ciao's {ciao.FILE_NAME} or its folder ({error})"
+  return None
+
+
 def _files_column_given(flag: str):
   def check_rule(values, context):
     del context
@@ -174,6 +189,9 @@ FLAG_RULES: tuple[schema.Rule, ...] = (
     schema.Rule(name="yambda_folder_exists", keys=("yambda_path", "dataset"),
                 check=_yambda_folder_exists,
                 doc="with --dataset yambda, --yambda-path is an existing folder"),
+    schema.Rule(name="ciao_file_exists", keys=("path", "dataset"),
+                check=_ciao_file_exists,
+                doc="with --dataset ciao, --path is its .mat file or a folder holding it"),
     schema.Rule(name="files_path_matches", keys=("path", "dataset"),
                 check=_files_path_matches,
                 doc="with --dataset files, --path names at least one data file"),
@@ -249,10 +267,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="folder holding the parquet files")
   group.add_argument("--yambda-event", default="listens")
   group.add_argument("--min-played-ratio", default=50)
-  group = parser.add_argument_group("your own files (--dataset files)")
+  group = parser.add_argument_group("your own files (--dataset files) and Ciao")
   group.add_argument("--path", default=None,
                      help="a file, a folder or a glob of parquet, CSV, TSV or "
-                     "JSON lines files (quote globs)")
+                     "JSON lines files (quote globs); for --dataset ciao, "
+                     f"{ciao.FILE_NAME} or its folder")
   group.add_argument("--user-col", default=None, help="column of user ids")
   group.add_argument("--item-col", default=None, help="column of item ids")
   group.add_argument("--time-col", default=None, help="column of event times")
@@ -292,6 +311,8 @@ def source_options(args: argparse.Namespace) -> dict:
                        "holding likes/listens/multi_event.parquet")
     return {"path": args.yambda_path, "event": args.yambda_event,
             "min_played_ratio": args.min_played_ratio}
+  if args.dataset == "ciao":
+    return {"path": args.path}
   if args.dataset == "files":
     return {"path": args.path, "user_col": args.user_col, "item_col": args.item_col,
             "time_col": args.time_col, "filter": args.filter,

@@ -23,8 +23,8 @@ from trainer.workdir import outputs, paths
 from trainer.data import preprocess, sources, splits, storage
 
 # Minimum interactions per item when the caller does not say: the SASRec
-# preparation for MovieLens (>= 5), everything for Yambda and your own files,
-# and the whole declared catalog for synthetic data. Other sources: 1.
+# preparation for MovieLens (>= 5), everything for Yambda, Ciao (its 10^5
+# items are the point) and your own files, and the whole declared catalog for synthetic data. Other sources: 1.
 class _OneUnlessListed(dict):
   """A dict whose missing keys read as 1."""
 
@@ -33,7 +33,7 @@ class _OneUnlessListed(dict):
 
 
 DEFAULT_MIN_ITEM_COUNT: Mapping[str, int] = _OneUnlessListed({
-    "ml-1m": 5, "ml-100k": 5, "yambda": 1, "synthetic": 0, "files": 1,
+    "ml-1m": 5, "ml-100k": 5, "yambda": 1, "ciao": 1, "synthetic": 0, "files": 1,
     "synthetic_topics": 0})
 # Source options that say where raw data is cached, not what it is: recorded
 # in the manifest, never a reason to prepare again.

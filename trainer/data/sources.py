@@ -15,6 +15,8 @@ Sources:
   column names given (:mod:`trainer.data.files`).
 * ``yambda``: the Yambda parquet files from a local folder, a preset of
   ``files`` (:mod:`trainer.data.yambda`).
+* ``ciao``: Ciao's ratings with times (105,114 items), from the MATLAB file
+  users download (:mod:`trainer.data.ciao`).
 * ``synthetic``: Zipf popularity with planted transitions
   (:mod:`trainer.data.synthetic`).
 * ``synthetic_topics``: latent topics with drifting user interest, popularity,
@@ -199,6 +201,7 @@ _SOURCES: Mapping[str, str] = MappingProxyType({
     "ml-1m": "trainer.data.movielens:load_ml_1m",
     "ml-100k": "trainer.data.movielens:load_ml_100k",
     "yambda": "trainer.data.yambda:load_yambda",
+    "ciao": "trainer.data.ciao:load_ciao",
     "synthetic": "trainer.data.synthetic:generate_synthetic",
     "files": "trainer.data.files:load_files",
     "synthetic_topics": "trainer.data.synthetic_topics:generate_topics",
@@ -226,7 +229,8 @@ def load_interactions(name: str, **options) -> Interactions:
   Args:
     name: one of :data:`SOURCE_NAMES`.
     **options: passed to the loader (``cache_dir`` for MovieLens, ``path`` and
-      ``event`` for Yambda, ``path`` and the column names for files, sizes
+      ``event`` for Yambda, ``path`` for Ciao, ``path`` and the column names for
+      files, sizes
       and ``seed`` for synthetic).
 
   Returns:
