@@ -65,7 +65,7 @@ class Catalog(NamedTuple):
 
 # --catalog: 10^5 items on this machine's CPU; 10^6 a GPU's (benchmarks/gpu_run.py
 # runs these entries as catalog_1m_NAME, mesh data=1); Ciao's 105,114 real items
-# (the user's download, trainer/data/ciao.py) on the CPU with the 10^5 recipe.
+# (the user's download, trainer/data/ciao.py) on the CPU with the 10^5 model.
 CATALOGS = {
     "100k": Catalog("configs/synthetic_100k.py", "runs/catalog_100k",
                     "docs/results/catalog/synthetic_100k", 100_000),
