@@ -201,10 +201,10 @@ _SOURCES: Mapping[str, str] = MappingProxyType({
     "ml-1m": "trainer.data.movielens:load_ml_1m",
     "ml-100k": "trainer.data.movielens:load_ml_100k",
     "yambda": "trainer.data.yambda:load_yambda",
-    "ciao": "trainer.data.ciao:load_ciao",
     "synthetic": "trainer.data.synthetic:generate_synthetic",
     "files": "trainer.data.files:load_files",
     "synthetic_topics": "trainer.data.synthetic_topics:generate_topics",
+    "ciao": "trainer.data.ciao:load_ciao",
 })
 
 SOURCE_NAMES: tuple[str, ...] = tuple(_SOURCES)
