@@ -1,5 +1,6 @@
 """The Ciao source (trainer/data/ciao.py) on small MATLAB files made here."""
 
+import hashlib
 import json
 import os
 
@@ -40,6 +41,19 @@ def test_reads_users_products_and_times_in_file_order(tmp_path):
     np.testing.assert_array_equal(data.item, rating[:, 1])
     np.testing.assert_array_equal(data.timestamp, rating[:, 5])
     assert data.name == "ciao" and data.num_items is None
+
+
+def test_a_file_other_than_the_measured_one_is_read_with_a_warning(tmp_path, monkeypatch,
+                                                                    caplog):
+  file = _write(tmp_path, _ratings(np.random.default_rng(2)))
+  with caplog.at_level("WARNING"):
+    ciao.load_ciao(file)
+  assert "not the file docs/data.md measured" in caplog.text and str(file) in caplog.text
+  caplog.clear()
+  monkeypatch.setattr(ciao, "SHA256", hashlib.sha256(file.read_bytes()).hexdigest())
+  with caplog.at_level("WARNING"):
+    ciao.load_ciao(file)
+  assert "sha256" not in caplog.text
 
 
 def test_matlab_doubles_are_read_when_whole(tmp_path):
