@@ -375,8 +375,9 @@ QUALITY_GRID += tuple(
 # 0.65 steps/s, about 1 h 40 min), the exclusion's seeds on the best recipe,
 # and four of the replica's five change runs one at a time on the recipe A. The
 # replica's three seeds ran on CPU (docs/results.md). LATER_RUNS wait for the
-# next device (--runs names them): the other changes, issue 33's sampled
-# baselines on the best recipe,
+# next device (--runs names them): the last change (4,000 steps), seed 0 of
+# the 3,000 negatives again (a GPU cross-check of the CPU run), issue 33's
+# sampled baselines on the best recipe,
 # gSASRec (90,000 steps each: give it --quality-s to match) and the six
 # 10^6-item catalog runs (CATALOG_1M_RUNS; their JSONs go to
 # docs/results/catalog/synthetic_1m/ without the prefix).
