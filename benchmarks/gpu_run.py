@@ -378,8 +378,9 @@ QUALITY_GRID += tuple(
 # next device (--runs names them): seed 0 of the 3,000 negatives again (a GPU
 # cross-check of the CPU run), the best recipe on the replica's model, issue
 # 33's sampled baselines on the best recipe, gSASRec (90,000 steps each: give
-# it --quality-s to match) and the six 10^6-item catalog runs (CATALOG_1M_RUNS; their JSONs go to
-# docs/results/catalog/synthetic_1m/ without the prefix).
+# it --quality-s to match) and the six 10^6-item catalog runs
+# (CATALOG_1M_RUNS; their JSONs go to docs/results/catalog/synthetic_1m/
+# without the prefix).
 NEXT_RUNS = ("replica_3000_seed2",
              "ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2", "a_sasrec_block_seed0",
              "a_from_first_seed0", "a_init_seed0", "a_no_clip_seed0", "a_4000_steps_seed0")
