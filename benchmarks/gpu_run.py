@@ -371,24 +371,23 @@ QUALITY_GRID += tuple(
      list(catalog_queue.QUEUE[name.removeprefix("catalog_1m_")])) for name in CATALOG_1M_RUNS)
 # The runs a plain `device` call makes: eight at a time (eight shared one H200
 # in 190-250 s), the first of what the grid has not measured yet: issue 39's
-# SASRec+ with 3,000 negatives, seed 2 (seeds 0 and 1 ran on 2 CPU cores at
-# 0.65-0.95 steps/s, 70-100 min a run), the exclusion's seeds on the best
-# recipe, and the replica's five change runs one at a time on the recipe A. The
-# replica's three seeds ran on CPU (docs/results.md). LATER_RUNS wait for the
-# next device (--runs names them): seed 0 of the 3,000 negatives again (a GPU
-# cross-check of the CPU run), the best recipe on the replica's model, issue
-# 33's sampled baselines on the best recipe, gSASRec (90,000 steps each: give
-# it --quality-s to match) and the six 10^6-item catalog runs
+# exclusion seeds on the best recipe, the replica's five change runs one at a
+# time on the recipe A and the best recipe on the replica's model. The
+# replica's three seeds and the 3,000 negatives' three seeds ran on CPU
+# (docs/results.md). LATER_RUNS wait for the next device (--runs names them):
+# seed 0 of the 3,000 negatives again (a GPU cross-check of the CPU run),
+# issue 33's sampled baselines on the best recipe, gSASRec (90,000 steps
+# each: give it --quality-s to match) and the six 10^6-item catalog runs
 # (CATALOG_1M_RUNS; their JSONs go to docs/results/catalog/synthetic_1m/
 # without the prefix).
-NEXT_RUNS = ("replica_3000_seed2",
-             "ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2", "a_sasrec_block_seed0",
-             "a_from_first_seed0", "a_init_seed0", "a_no_clip_seed0", "a_4000_steps_seed0")
-LATER_RUNS = ("replica_3000_seed0", "best_replica_model_seed0",
-              "best_sampled_softmax_k128_seed0", "best_sampled_softmax_k1024_seed0",
-              "best_sampled_softmax_k128_pop_logq_seed0", "best_sampled_softmax_k128_pop_seed0",
-              "best_gbce_k256_seed0", "best_gbce_k256_item_bias_seed0",
-              "bce_capacity_item_bias_seed0", "gsasrec_seed0", "gsasrec_seed1", "gsasrec_seed2",
+NEXT_RUNS = ("ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2", "a_sasrec_block_seed0",
+             "a_from_first_seed0", "a_init_seed0", "a_no_clip_seed0", "a_4000_steps_seed0",
+             "best_replica_model_seed0")
+LATER_RUNS = ("replica_3000_seed0", "best_sampled_softmax_k128_seed0",
+              "best_sampled_softmax_k1024_seed0", "best_sampled_softmax_k128_pop_logq_seed0",
+              "best_sampled_softmax_k128_pop_seed0", "best_gbce_k256_seed0",
+              "best_gbce_k256_item_bias_seed0", "bce_capacity_item_bias_seed0",
+              "gsasrec_seed0", "gsasrec_seed1", "gsasrec_seed2",
               *CATALOG_1M_RUNS)
 
 
