@@ -170,11 +170,12 @@ def table(catalog: str = "100k") -> str:
   """The finished runs beside each other (markdown): quality at equal steps, cost.
 
   An entry's other-seed twins (`NAME_seedS`) share its row: NDCG@10 and HR@10
-  as mean +- standard deviation over the seeds whose JSON exists."""
+  as mean +- standard deviation over the seeds whose JSON exists, and the
+  validation-selected checkpoint's step, each seed's where they differ."""
   results = ROOT / CATALOGS[catalog].results
   cost_path = results / "cost.json"
   costs = json.loads(cost_path.read_text())["losses"] if cost_path.exists() else {}
-  lines = ["| loss | test NDCG@10 | HR@10 | seeds | steps | step s (interleaved) | "
+  lines = ["| loss | test NDCG@10 | HR@10 | seeds | checkpoint step | step s (interleaved) | "
            "temp GiB / device | peak GiB / device |", "|---|---|---|---|---|---|---|---|"]
   for name in QUEUE:
     if name.endswith(tuple(f"_seed{seed}" for seed in SEEDS)):
@@ -189,7 +190,9 @@ def table(catalog: str = "100k") -> str:
     step_s = f"{c['median_step_s']:.3f}" if "median_step_s" in c else "-"
     ndcg = _mean_spread([run["ndcg@10"] for run in runs])
     hr = _mean_spread([run["hr@10"] for run in runs])
-    lines.append(f"| {name} | {ndcg} | {hr} | {len(runs)} | {runs[0]['step']} | "
+    steps = [run["step"] for run in runs]
+    step = " / ".join(map(str, steps)) if len(set(steps)) > 1 else str(steps[0])
+    lines.append(f"| {name} | {ndcg} | {hr} | {len(runs)} | {step} | "
                  f"{step_s} | {gib('temp_bytes_per_device')} | {gib('peak_bytes_per_device')} |")
   return "\n".join(lines)
 

@@ -110,3 +110,7 @@ def test_the_catalog_queue_differs_in_the_loss_and_the_steps_alone(tmp_path, mon
   rows = queue.table().splitlines()
   assert rows[3] == "| exact_bce_2500 | 0.3200 +- 0.0200 | 0.4000 +- 0.0000 | 3 | 2500 | - | - | - |"
   assert len(rows) == 4
+  # Seeds whose checkpoints differ show each seed's step.
+  (results / "exact_bce_seed2.json").write_text(json.dumps({"ndcg@10": 0.12345, "hr@10": 0.2,
+                                                            "step": 250}))
+  assert queue.table().splitlines()[2].startswith("| exact_bce | 0.1235 +- 0.0000 | 0.2000 +- 0.0000 | 2 | 500 / 250 |")
