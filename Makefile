@@ -52,7 +52,9 @@ train: install
 	  --config=configs/ml1m_cpu.py --workdir=$(WORKDIR)
 
 # The GPU kernels compiled for H100 / H200 with no GPU attached, in their own
-# venv: jax's CUDA plugin at the installed jaxlib's version and ptxas
+# venv: jax's CUDA plugin at the installed jaxlib's version (or, where jaxlib
+# is newer than every plugin on the registry, jaxlib moved back to the newest
+# plugin's version) and ptxas
 # (nvidia-cuda-nvcc-cu12), no CUDA libraries (about 0.6 GB; the `gpu` extra,
 # jax[cuda12], is what runs on a GPU). Then the compile tests: the Mosaic GPU
 # kernels' PTX and ptxas reports, the Triton kernels' compiled programs.
@@ -63,8 +65,14 @@ $(VENV_GPU)/.installed: pyproject.toml
 	$(VENV_GPU)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV_GPU)/bin/python -m pip install --quiet -e '.[test]'
 	version=$$($(VENV_GPU)/bin/python -c 'import jaxlib; print(jaxlib.__version__)') && \
-	  $(VENV_GPU)/bin/python -m pip install --quiet "jax-cuda12-plugin==$$version" \
-	    "jax-cuda12-pjrt==$$version" nvidia-cuda-nvcc-cu12
+	if ! $(VENV_GPU)/bin/python -m pip install --quiet "jax-cuda12-plugin==$$version" \
+	    "jax-cuda12-pjrt==$$version" nvidia-cuda-nvcc-cu12; then \
+	  plugin=$$($(VENV_GPU)/bin/python -m pip index versions jax-cuda12-plugin 2>/dev/null \
+	    | sed -n 's/^jax-cuda12-plugin (\(.*\))$$/\1/p') && test -n "$$plugin" && \
+	  echo "!!! no CUDA plugin for jaxlib $$version yet: jaxlib $$plugin, the newest with one" && \
+	  $(VENV_GPU)/bin/python -m pip install --quiet "jaxlib==$$plugin" "jax<=$$plugin" \
+	    "jax-cuda12-plugin==$$plugin" "jax-cuda12-pjrt==$$plugin" nvidia-cuda-nvcc-cu12; \
+	fi
 	touch $@
 
 test-gpu: $(VENV_GPU)/.installed
