@@ -13,9 +13,9 @@ Two commands, each writing JSON under `--out`:
             9 minutes, each part with its own time limit so the later ones
             still run:
             0. quality ML-1M runs of QUALITY_GRID (--runs; by default
-                       NEXT_RUNS, eight not measured yet: issue 39's SASRec+
-                       with 3,000 negatives (seed 2), the exclusion's
-                       seeds, the replica's changes on A; LATER_RUNS
+                       NEXT_RUNS, eight not measured yet: issue 39's
+                       exclusion seeds, the best recipe with SASRec+'s
+                       initializers, the replica's changes on A; LATER_RUNS
                        next), one process each, all at once on this GPU
                        (mesh data=1, the configs' global batch), cut at
                        --quality-s.
@@ -345,9 +345,16 @@ QUALITY_GRID += (
     ("a_sasrec_block_seed0", SASREC_PLUS,
      ["seed=0", "model.block='sasrec'", "model.mlp_dim=64"]),
     ("a_from_first_seed0", SASREC_PLUS, ["seed=0", "model.positions='from_first'"]),
-    ("a_init_seed0", SASREC_PLUS, ["seed=0", "model.init='sasrec_plus'"]),
     ("a_no_clip_seed0", SASREC_PLUS, ["seed=0", "optimizer.clip_norm=None"]),
     ("a_4000_steps_seed0", SASREC_PLUS, ["seed=0", "train_steps=4000"]),
+    # SASRec+'s initializers carry the replica's gain on A (seeds 0-2 ran on
+    # CPU, docs/results.md), and the original block alone costs: the replica
+    # with A's block, and the best recipe with the initializers alone.
+    ("a_init_seed0", SASREC_PLUS, ["seed=0", "model.init='sasrec_plus'"]),
+    ("a_init_seed1", SASREC_PLUS, ["seed=1", "model.init='sasrec_plus'"]),
+    ("a_init_seed2", SASREC_PLUS, ["seed=2", "model.init='sasrec_plus'"]),
+    ("replica_pre_ln_seed0", REPLICA, ["seed=0", "model.block='pre_ln'", "model.mlp_dim=256"]),
+    ("best_init_seed0", BEST, ["seed=0", "model.init='sasrec_plus'"]),
     # The best recipe (B) on the replica's model: does the gain carry over?
     ("best_replica_model_seed0", BEST,
      ["seed=0", "model.block='sasrec'", "model.positions='from_first'",
@@ -371,18 +378,19 @@ QUALITY_GRID += tuple(
      list(catalog_queue.QUEUE[name.removeprefix("catalog_1m_")])) for name in CATALOG_1M_RUNS)
 # The runs a plain `device` call makes: eight at a time (eight shared one H200
 # in 190-250 s), the first of what the grid has not measured yet: issue 39's
-# exclusion seeds on the best recipe, the replica's five change runs one at a
-# time on the recipe A and the best recipe on the replica's model. The
-# replica's three seeds and the 3,000 negatives' three seeds ran on CPU
-# (docs/results.md). LATER_RUNS wait for the next device (--runs names them):
-# seed 0 of the 3,000 negatives again (a GPU cross-check of the CPU run),
-# issue 33's sampled baselines on the best recipe, gSASRec (90,000 steps
-# each: give it --quality-s to match) and the six 10^6-item catalog runs
-# (CATALOG_1M_RUNS; their JSONs go to docs/results/catalog/synthetic_1m/
-# without the prefix).
-NEXT_RUNS = ("ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2", "a_sasrec_block_seed0",
-             "a_from_first_seed0", "a_init_seed0", "a_no_clip_seed0", "a_4000_steps_seed0",
-             "best_replica_model_seed0")
+# exclusion seeds on the best recipe, the best recipe with SASRec+'s
+# initializers, the replica's changes on A not run on CPU yet, the replica
+# with A's block and the best recipe on the replica's model. The replica's
+# three seeds, the 3,000 negatives' three seeds, the block alone on A and the
+# initializers alone on A (three seeds) ran on CPU (docs/results.md).
+# LATER_RUNS wait for the next device (--runs names them): seed 0 of the
+# 3,000 negatives again (a GPU cross-check of the CPU run), issue 33's
+# sampled baselines on the best recipe, gSASRec (90,000 steps each: give it
+# --quality-s to match) and the six 10^6-item catalog runs (CATALOG_1M_RUNS;
+# their JSONs go to docs/results/catalog/synthetic_1m/ without the prefix).
+NEXT_RUNS = ("ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2", "best_init_seed0",
+             "a_from_first_seed0", "a_no_clip_seed0", "a_4000_steps_seed0",
+             "replica_pre_ln_seed0", "best_replica_model_seed0")
 LATER_RUNS = ("replica_3000_seed0", "best_sampled_softmax_k128_seed0",
               "best_sampled_softmax_k1024_seed0", "best_sampled_softmax_k128_pop_logq_seed0",
               "best_sampled_softmax_k128_pop_seed0", "best_gbce_k256_seed0",
