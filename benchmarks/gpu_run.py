@@ -345,6 +345,8 @@ QUALITY_GRID += (
     ("a_sasrec_block_seed0", SASREC_PLUS,
      ["seed=0", "model.block='sasrec'", "model.mlp_dim=64"]),
     ("a_from_first_seed0", SASREC_PLUS, ["seed=0", "model.positions='from_first'"]),
+    ("a_sasrec_block_seed1", SASREC_PLUS,
+     ["seed=1", "model.block='sasrec'", "model.mlp_dim=64"]),
     ("a_no_clip_seed0", SASREC_PLUS, ["seed=0", "optimizer.clip_norm=None"]),
     ("a_4000_steps_seed0", SASREC_PLUS, ["seed=0", "train_steps=4000"]),
     # SASRec+'s initializers carry the replica's gain on A (seeds 0-2 ran on
@@ -379,17 +381,18 @@ QUALITY_GRID += tuple(
 # The runs a plain `device` call makes: eight at a time (eight shared one H200
 # in 190-250 s), the first of what the grid has not measured yet: issue 39's
 # exclusion seeds on the best recipe, the best recipe with SASRec+'s
-# initializers, the replica's changes on A not run on CPU yet, the replica
+# initializers, the replica's changes on A not run on CPU yet (and the
+# block's seed 1), the replica
 # with A's block and the best recipe on the replica's model. The replica's
-# three seeds, the 3,000 negatives' three seeds, the block alone on A and the
-# initializers alone on A (three seeds) ran on CPU (docs/results.md).
+# three seeds, the 3,000 negatives' three seeds, the block and the positions
+# alone on A and the initializers alone on A (three seeds) ran on CPU (docs/results.md).
 # LATER_RUNS wait for the next device (--runs names them): seed 0 of the
 # 3,000 negatives again (a GPU cross-check of the CPU run), issue 33's
 # sampled baselines on the best recipe, gSASRec (90,000 steps each: give it
 # --quality-s to match) and the six 10^6-item catalog runs (CATALOG_1M_RUNS;
 # their JSONs go to docs/results/catalog/synthetic_1m/ without the prefix).
 NEXT_RUNS = ("ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2", "best_init_seed0",
-             "a_from_first_seed0", "a_no_clip_seed0", "a_4000_steps_seed0",
+             "a_sasrec_block_seed1", "a_no_clip_seed0", "a_4000_steps_seed0",
              "replica_pre_ln_seed0", "best_replica_model_seed0")
 LATER_RUNS = ("replica_3000_seed0", "best_sampled_softmax_k128_seed0",
               "best_sampled_softmax_k1024_seed0", "best_sampled_softmax_k128_pop_logq_seed0",
