@@ -382,10 +382,10 @@ QUALITY_GRID += tuple(
 # in 190-250 s), the first of what the grid has not measured yet: issue 39's
 # exclusion seeds on the best recipe, the best recipe with SASRec+'s
 # initializers, the replica's changes on A not run on CPU yet (and the
-# block's seed 1), the replica
-# with A's block and the best recipe on the replica's model. The replica's
-# three seeds, the 3,000 negatives' three seeds, the block and the positions
-# alone on A and the initializers alone on A (three seeds) ran on CPU (docs/results.md).
+# block's seed 1), the replica with A's block and the best recipe on the
+# replica's model. The replica's three seeds, the 3,000 negatives' three
+# seeds, the block and the positions alone on A and the initializers alone
+# on A (three seeds) ran on CPU (docs/results.md).
 # LATER_RUNS wait for the next device (--runs names them): seed 0 of the
 # 3,000 negatives again (a GPU cross-check of the CPU run), issue 33's
 # sampled baselines on the best recipe, gSASRec (90,000 steps each: give it
