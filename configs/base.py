@@ -48,11 +48,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.item_bias = False
   # The block ("pre_ln", or "sasrec": the original SASRec block), how positions
   # are counted ("window" slots, or "from_first" item), the initializers
-  # ("flax", "sasrec_plus" or "pytorch"), the input embeddings times sqrt(D),
-  # and the output table ("tied" to the input embedding, or "separate").
+  # ("flax", "sasrec_plus" or "pytorch"; `embedding_std` sets the tables'
+  # normal std apart from the linear layers', None: the scheme's), the input
+  # embeddings times sqrt(D), and the output table ("tied" to the input
+  # embedding, or "separate").
   config.model.block = "pre_ln"
   config.model.positions = "window"
   config.model.init = "flax"
+  config.model.embedding_std = None
   config.model.scale_embeddings = True
   config.model.output_table = "tied"
 

@@ -191,6 +191,9 @@ class SASRec(nnx.Module):
       key / value projections as PyTorch's MultiheadAttention makes them;
       "pytorch" (gSASRec's code: PyTorch's defaults): embeddings normal(1),
       linear kernels and biases uniform in +-1 / sqrt(fan_in).
+    embedding_std: the standard deviation of the item, position and output
+      tables' normal initializer, over the one `init` names (None: keep it);
+      the linear layers keep `init`'s, so the two can be set apart.
     scale_embeddings: multiply the input item embeddings by sqrt(D) (SASRec
       and SASRec+ do; gSASRec does not).
     output_table: "tied" (the input embedding table scores the items) or
@@ -204,7 +207,7 @@ class SASRec(nnx.Module):
                num_heads: int, mlp_dim: int, dropout_rate: float = 0.0,
                vocab_shards: int = 1, dtype=jnp.float32, item_bias: bool = False,
                block: str = "pre_ln", positions: str = "window", init: str = "flax",
-               scale_embeddings: bool = True, output_table: str = "tied", rngs: nnx.Rngs):
+               embedding_std: float | None = None, scale_embeddings: bool = True, output_table: str = "tied", rngs: nnx.Rngs):
     if num_items < 1 or seq_len < 1 or dim < 1 or num_layers < 0:
       raise ValueError(
           f"SASRec needs num_items, seq_len, dim >= 1 and num_layers >= 0, got "
@@ -215,12 +218,15 @@ class SASRec(nnx.Module):
                                  ("init", init, INITS), ("output_table", output_table, TABLES)):
       if value not in choices:
         raise ValueError(f"SASRec {name}={value!r}: one of {choices}")
+    if embedding_std is not None and not embedding_std > 0:
+      raise ValueError(f"SASRec embedding_std={embedding_std!r}: a positive float, or None")
     self.num_items = num_items
     self.dim = dim
     self.dtype = dtype
     self.positions = positions
     self.scale_embeddings = scale_embeddings
     std = {"flax": dim ** -0.5, "sasrec_plus": SASREC_PLUS_STD, "pytorch": 1.0}[init]
+    std = std if embedding_std is None else embedding_std
     embedding_init = nnx.initializers.normal(stddev=std)
     rows = padded_vocab_size(num_items, vocab_shards)
     setattr(self, ITEM_EMBEDDING, nnx.Embed(rows, dim, dtype=dtype,

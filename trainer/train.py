@@ -71,7 +71,7 @@ def make_model(model_config, *, num_items: int, seq_len: int, vocab_shards: int,
       vocab_shards=vocab_shards, dtype=jnp.dtype(model_config.dtype),
       item_bias=bool(model_config.get("item_bias", False)),
       block=model_config.get("block", "pre_ln"), positions=model_config.get("positions", "window"),
-      init=model_config.get("init", "flax"),
+      init=model_config.get("init", "flax"), embedding_std=model_config.get("embedding_std"),
       scale_embeddings=bool(model_config.get("scale_embeddings", True)),
       output_table=model_config.get("output_table", "tied"), rngs=nnx.Rngs(params=seed),
   )

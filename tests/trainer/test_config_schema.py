@@ -504,7 +504,7 @@ def _run(args, tmp_path):
      "bad config: config.model.dim=7: a multiple of config.model.num_heads=2"),
     (["--config.model.hidden=3"], "bad config: config.model.hidden='3': unknown key; "
      "config.model holds dim, num_layers, num_heads, mlp_dim, dropout_rate, dtype, "
-     "item_bias, block, positions, init, scale_embeddings, output_table"),
+     "item_bias, block, positions, init, embedding_std, scale_embeddings, output_table"),
     (["--config.model.dropout_rate=abc"],
      "bad config: config.model.dropout_rate='abc': a finite number in [0, 1)"),
 ])

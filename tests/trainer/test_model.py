@@ -185,6 +185,19 @@ def test_the_initializers_are_the_named_codes():
   assert abs(std(default["position_embedding"]["embedding"]) - 0.25) < 0.03
 
 
+@pytest.mark.parametrize("init", model_lib.INITS)
+def test_embedding_std_sets_the_tables_apart_from_the_linear_layers(init):
+  std = lambda a: float(np.std(np.asarray(a)))
+  kwargs = dict(init=init, seq_len=512, output_table="separate")
+  scheme = nnx.to_pure_dict(nnx.state(make_variant(**kwargs)))
+  params = nnx.to_pure_dict(nnx.state(make_variant(embedding_std=0.5, **kwargs)))
+  for table in ("item_embedding", "position_embedding", "output_embedding"):
+    assert abs(std(params[table]["embedding"]) - 0.5) < 0.05, table
+  # The linear layers are the scheme's own, draw for draw.
+  for scheme_block, block in zip(scheme["blocks"], params["blocks"]):
+    jax.tree.map(np.testing.assert_array_equal, scheme_block, block)
+
+
 def test_a_separate_output_table_scores_the_items():
   tied, separate = make_variant(), make_variant(output_table="separate")
   inputs = np.asarray(nnx.to_pure_dict(nnx.state(separate))["item_embedding"]["embedding"])
@@ -199,6 +212,7 @@ def test_a_separate_output_table_scores_the_items():
 
 def test_bad_block_positions_init_or_table_raise():
   for kwargs, said in (({"block": "post_ln"}, "block"), ({"positions": "end"}, "positions"),
-                       ({"init": "xavier"}, "init"), ({"output_table": "untied"}, "output_table")):
+                       ({"init": "xavier"}, "init"), ({"output_table": "untied"}, "output_table"),
+                       ({"embedding_std": 0.0}, "embedding_std")):
     with pytest.raises(ValueError, match=said):
       make_variant(**kwargs)

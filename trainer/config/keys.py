@@ -93,6 +93,9 @@ KEYS: tuple[schema.Key, ...] = (
     key("model.init", STR, one_of("flax", "sasrec_plus", "pytorch"), "initializers: flax's "
         "(embeddings normal(D^-1/2)), SASRec+'s code's (normal(0.02)) or PyTorch's defaults "
         "(gSASRec's code: embeddings normal(1)); trainer/model.py"),
+    key("model.embedding_std", FLOAT, above(0), "std of the item, position (and output) "
+        "tables' normal init over `model.init`'s; the linear layers keep `model.init`'s "
+        "(None: `model.init`'s)", none_ok=True),
     key("model.scale_embeddings", BOOL, None, "multiply the input item embeddings by "
         "sqrt(D) (SASRec, SASRec+; gSASRec does not)"),
     key("model.output_table", STR, one_of("tied", "separate"), "the items' output table: "

@@ -55,7 +55,8 @@ HARMLESS_SECTIONS = ("eval.", "checkpoint.", "profile.", "compile.")
 ADDED_KEYS = {"loss.target_reduction": "sum", "loss.num_negatives": 128,
               "loss.sampler": "uniform", "loss.negatives_per": "batch", "loss.logq": False,
               "loss.gbce_t": 0.75, "model.block": "pre_ln", "model.positions": "window",
-              "model.init": "flax", "model.scale_embeddings": True,
+              "model.init": "flax", "model.embedding_std": None,
+              "model.scale_embeddings": True,
               "model.output_table": "tied"}
 _ABSENT = "(absent)"
 _SECTIONS = schema.sections_of(config_keys.KEYS)
