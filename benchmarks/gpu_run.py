@@ -355,6 +355,11 @@ QUALITY_GRID += (
     ("a_init_seed0", SASREC_PLUS, ["seed=0", "model.init='sasrec_plus'"]),
     ("a_init_seed1", SASREC_PLUS, ["seed=1", "model.init='sasrec_plus'"]),
     ("a_init_seed2", SASREC_PLUS, ["seed=2", "model.init='sasrec_plus'"]),
+    # Which half of the initializers: the tables' normal(0.02) alone, the
+    # linear layers' alone (tables back at flax's normal(D^-1/2) = 0.125).
+    ("a_init_tables_seed0", SASREC_PLUS, ["seed=0", "model.embedding_std=0.02"]),
+    ("a_init_linear_seed0", SASREC_PLUS,
+     ["seed=0", "model.init='sasrec_plus'", "model.embedding_std=0.125"]),
     ("replica_pre_ln_seed0", REPLICA, ["seed=0", "model.block='pre_ln'", "model.mlp_dim=256"]),
     ("best_init_seed0", BEST, ["seed=0", "model.init='sasrec_plus'"]),
     # The best recipe (B) on the replica's model: does the gain carry over?
