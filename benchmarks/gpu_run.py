@@ -13,7 +13,7 @@ Two commands, each writing JSON under `--out`:
             9 minutes, each part with its own time limit so the later ones
             still run:
             0. quality ML-1M runs of QUALITY_GRID (--runs; by default
-                       NEXT_RUNS, eight not measured yet: issue 39's
+                       NEXT_RUNS, those not measured yet: issue 39's
                        exclusion seeds, the best recipe with SASRec+'s
                        initializers, the replica's changes on A; LATER_RUNS
                        next), one process each, all at once on this GPU
@@ -358,6 +358,8 @@ QUALITY_GRID += (
     # Which half of the initializers: the tables' normal(0.02) alone, the
     # linear layers' alone (tables back at flax's normal(D^-1/2) = 0.125).
     ("a_init_tables_seed0", SASREC_PLUS, ["seed=0", "model.embedding_std=0.02"]),
+    ("a_init_tables_seed1", SASREC_PLUS, ["seed=1", "model.embedding_std=0.02"]),
+    ("a_init_tables_seed2", SASREC_PLUS, ["seed=2", "model.embedding_std=0.02"]),
     ("a_init_linear_seed0", SASREC_PLUS,
      ["seed=0", "model.init='sasrec_plus'", "model.embedding_std=0.125"]),
     ("replica_pre_ln_seed0", REPLICA, ["seed=0", "model.block='pre_ln'", "model.mlp_dim=256"]),
@@ -383,22 +385,23 @@ CATALOG_1M_RUNS = tuple(f"catalog_1m_{name}" for name in (
 QUALITY_GRID += tuple(
     (name, catalog_queue.CATALOGS["1m"].config,
      list(catalog_queue.QUEUE[name.removeprefix("catalog_1m_")])) for name in CATALOG_1M_RUNS)
-# The runs a plain `device` call makes: eight at a time (eight shared one H200
-# in 190-250 s), the first of what the grid has not measured yet: issue 39's
+# The runs a plain `device` call makes, all at once (eight shared one H200
+# in 190-250 s): the first of what the grid has not measured yet: issue 39's
 # exclusion seeds on the best recipe, the best recipe with SASRec+'s
-# initializers, the replica's changes on A not run on CPU yet (and the
-# block's seed 1), the replica with A's block and the best recipe on the
-# replica's model. The replica's three seeds, the 3,000 negatives' three
-# seeds, the block and the positions alone on A and the initializers alone
-# on A (three seeds) ran on CPU (docs/results.md).
+# initializers, the block's seed 1 and 4,000 steps on A, the replica with
+# A's block, the best recipe on the replica's model and the tables' init
+# alone on A, seeds 1-2. The replica's three seeds, the 3,000 negatives'
+# three seeds, the block, the positions and no clipping alone on A, the
+# initializers alone on A (three seeds) and each half of them (seed 0) ran
+# on CPU (docs/results.md).
 # LATER_RUNS wait for the next device (--runs names them): seed 0 of the
 # 3,000 negatives again (a GPU cross-check of the CPU run), issue 33's
 # sampled baselines on the best recipe, gSASRec (90,000 steps each: give it
 # --quality-s to match) and the six 10^6-item catalog runs (CATALOG_1M_RUNS;
 # their JSONs go to docs/results/catalog/synthetic_1m/ without the prefix).
 NEXT_RUNS = ("ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2", "best_init_seed0",
-             "a_sasrec_block_seed1", "a_no_clip_seed0", "a_4000_steps_seed0",
-             "replica_pre_ln_seed0", "best_replica_model_seed0")
+             "a_sasrec_block_seed1", "a_4000_steps_seed0", "replica_pre_ln_seed0",
+             "best_replica_model_seed0", "a_init_tables_seed1", "a_init_tables_seed2")
 LATER_RUNS = ("replica_3000_seed0", "best_sampled_softmax_k128_seed0",
               "best_sampled_softmax_k1024_seed0", "best_sampled_softmax_k128_pop_logq_seed0",
               "best_sampled_softmax_k128_pop_seed0", "best_gbce_k256_seed0",
