@@ -207,7 +207,8 @@ class SASRec(nnx.Module):
                num_heads: int, mlp_dim: int, dropout_rate: float = 0.0,
                vocab_shards: int = 1, dtype=jnp.float32, item_bias: bool = False,
                block: str = "pre_ln", positions: str = "window", init: str = "flax",
-               embedding_std: float | None = None, scale_embeddings: bool = True, output_table: str = "tied", rngs: nnx.Rngs):
+               embedding_std: float | None = None, scale_embeddings: bool = True,
+               output_table: str = "tied", rngs: nnx.Rngs):
     if num_items < 1 or seq_len < 1 or dim < 1 or num_layers < 0:
       raise ValueError(
           f"SASRec needs num_items, seq_len, dim >= 1 and num_layers >= 0, got "
