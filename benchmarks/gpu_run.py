@@ -388,20 +388,19 @@ QUALITY_GRID += tuple(
 # The runs a plain `device` call makes, all at once (eight shared one H200
 # in 190-250 s): the first of what the grid has not measured yet: issue 39's
 # exclusion seeds on the best recipe, the best recipe with SASRec+'s
-# initializers, the block's seed 1 and 4,000 steps on A, the best recipe on
-# the replica's model and the tables' init alone on A, seed 2. The
-# replica's three seeds, the 3,000 negatives' three seeds, the block, the
-# positions and no clipping alone on A, the initializers alone on A (three
-# seeds), the tables' half (seeds 0-1), the linear layers' half (seed 0)
-# and the replica with A's block (seed 0) ran on CPU (docs/results.md).
+# initializers, 4,000 steps on A, the best recipe on the replica's model
+# and the tables' init alone on A, seed 2. The replica's three seeds, the
+# 3,000 negatives' three seeds, the block (seeds 0-1), the positions and no
+# clipping alone on A, the initializers alone on A (three seeds), the
+# tables' half (seeds 0-1), the linear layers' half (seed 0) and the
+# replica with A's block (seed 0) ran on CPU (docs/results.md).
 # LATER_RUNS wait for the next device (--runs names them): seed 0 of the
 # 3,000 negatives again (a GPU cross-check of the CPU run), issue 33's
 # sampled baselines on the best recipe, gSASRec (90,000 steps each: give it
 # --quality-s to match) and the six 10^6-item catalog runs (CATALOG_1M_RUNS;
 # their JSONs go to docs/results/catalog/synthetic_1m/ without the prefix).
 NEXT_RUNS = ("ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2", "best_init_seed0",
-             "a_sasrec_block_seed1", "a_4000_steps_seed0", "best_replica_model_seed0",
-             "a_init_tables_seed2")
+             "a_4000_steps_seed0", "best_replica_model_seed0", "a_init_tables_seed2")
 LATER_RUNS = ("replica_3000_seed0", "best_sampled_softmax_k128_seed0",
               "best_sampled_softmax_k1024_seed0", "best_sampled_softmax_k128_pop_logq_seed0",
               "best_sampled_softmax_k128_pop_seed0", "best_gbce_k256_seed0",
