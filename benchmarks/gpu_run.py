@@ -362,6 +362,8 @@ QUALITY_GRID += (
     ("a_init_tables_seed2", SASREC_PLUS, ["seed=2", "model.embedding_std=0.02"]),
     ("a_init_linear_seed0", SASREC_PLUS,
      ["seed=0", "model.init='sasrec_plus'", "model.embedding_std=0.125"]),
+    ("a_init_linear_seed1", SASREC_PLUS,
+     ["seed=1", "model.init='sasrec_plus'", "model.embedding_std=0.125"]),
     ("replica_pre_ln_seed0", REPLICA, ["seed=0", "model.block='pre_ln'", "model.mlp_dim=256"]),
     ("best_init_seed0", BEST, ["seed=0", "model.init='sasrec_plus'"]),
     # The best recipe (B) on the replica's model: does the gain carry over?
@@ -388,19 +390,19 @@ QUALITY_GRID += tuple(
 # The runs a plain `device` call makes, all at once (eight shared one H200
 # in 190-250 s): the first of what the grid has not measured yet: issue 39's
 # exclusion seeds on the best recipe, the best recipe with SASRec+'s
-# initializers, 4,000 steps on A, the best recipe on the replica's model
-# and the tables' init alone on A, seed 2. The replica's three seeds, the
-# 3,000 negatives' three seeds, the block (seeds 0-1), the positions and no
-# clipping alone on A, the initializers alone on A (three seeds), the
-# tables' half (seeds 0-1), the linear layers' half (seed 0) and the
-# replica with A's block (seed 0) ran on CPU (docs/results.md).
+# initializers, 4,000 steps on A and the best recipe on the replica's
+# model. The replica's three seeds, the 3,000 negatives' three seeds, the
+# block (seeds 0-1), the positions and no clipping alone on A, the
+# initializers alone on A (three seeds), the tables' half (three seeds),
+# the linear layers' half (seeds 0-1) and the replica with A's block
+# (seed 0) ran on CPU (docs/results.md).
 # LATER_RUNS wait for the next device (--runs names them): seed 0 of the
 # 3,000 negatives again (a GPU cross-check of the CPU run), issue 33's
 # sampled baselines on the best recipe, gSASRec (90,000 steps each: give it
 # --quality-s to match) and the six 10^6-item catalog runs (CATALOG_1M_RUNS;
 # their JSONs go to docs/results/catalog/synthetic_1m/ without the prefix).
 NEXT_RUNS = ("ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2", "best_init_seed0",
-             "a_4000_steps_seed0", "best_replica_model_seed0", "a_init_tables_seed2")
+             "a_4000_steps_seed0", "best_replica_model_seed0")
 LATER_RUNS = ("replica_3000_seed0", "best_sampled_softmax_k128_seed0",
               "best_sampled_softmax_k1024_seed0", "best_sampled_softmax_k128_pop_logq_seed0",
               "best_sampled_softmax_k128_pop_seed0", "best_gbce_k256_seed0",
