@@ -27,9 +27,9 @@ Seeds 0, 1, 2 (8 simulated CPU devices): test NDCG@10 0.1784 +- 0.0011
 code does it"). One change at a time on A, the initializers alone
 (`--set model.init='sasrec_plus'`, 0.1826 +- 0.0017) do better than all six
 together, mostly through the item and position tables' normal(0.02)
-(`--set model.embedding_std=0.02` alone: 0.1806 +- 0.0008, 3 seeds); the original block
-alone does worse than A, and no clipping changes nothing on A (the gradient
-norm stays under 1.0). The replica with A's block instead
+(`--set model.embedding_std=0.02` alone: 0.1806 +- 0.0008, 3 seeds); the
+original block alone does worse than A, and no clipping changes nothing on
+A (the gradient norm stays under 1.0). The replica with A's block instead
 (`--set model.block='pre_ln' --set model.mlp_dim=256`) reaches 0.1821 on
 seed 0, the published figure: the original block is what holds it back.
 
