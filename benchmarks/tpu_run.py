@@ -93,21 +93,39 @@ def _bundle(out: pathlib.Path, bundle: pathlib.Path) -> None:
   print(f"wrote {bundle}", flush=True)
 
 
-def cmd_device(args) -> None:
+def cmd_chip(args) -> None:
+  """The parts that hold the chip (in this process): environment, loss, train."""
   import jax  # pylint: disable=import-outside-toplevel
   out = pathlib.Path(args.out)
   environment = gpu_run._environment()  # pylint: disable=protected-access
   gpu_run._write(out, "environment.json", environment)  # pylint: disable=protected-access
   if jax.default_backend() != "tpu":
     raise SystemExit(f"no TPU: jax {jax.__version__} sees {environment['devices']}")
-  parts = {"tests": lambda: gpu_run.part_tests(out, args.tests_s, TPU_TESTS, stop_first=False),
-           "loss": lambda: gpu_run.part_loss(out, args.repeats, _contenders,
-                                             checked=("pallas_tpu",)),
-           "train": lambda: gpu_run.part_train(out, args.train_steps, BACKENDS),
+  if args.part == "loss":
+    gpu_run.part_loss(out, args.repeats, _contenders, checked=("pallas_tpu",))
+  elif args.part == "train":
+    gpu_run.part_train(out, args.train_steps, BACKENDS)
+
+
+def cmd_device(args) -> None:
+  """Each part in turn. This process never opens the chip (one process at a
+  time can): loss and train run in a child (`chip`), tests and quality start
+  their own."""
+  out = pathlib.Path(args.out)
+
+  def chip(part):
+    command = [sys.executable, __file__, "chip", part, "--out", str(out),
+               "--repeats", str(args.repeats), "--train-steps", str(args.train_steps)]
+    subprocess.run(command, check=True)
+
+  parts = {"environment": lambda: chip("environment"),
+           "tests": lambda: gpu_run.part_tests(out, args.tests_s, TPU_TESTS, stop_first=False),
+           "loss": lambda: chip("loss"),
+           "train": lambda: chip("train"),
            "quality": lambda: gpu_run.part_quality(out, args.quality_s, args.runs,
                                                    at_once=False)}
   summary = {}
-  for name in args.parts:
+  for name in ["environment", *args.parts]:
     start = time.perf_counter()
     try:
       parts[name]()
@@ -128,7 +146,8 @@ def main() -> None:
   device = commands.add_parser("device")
   device.add_argument("--out", required=True)
   device.add_argument("--bundle", default=None, help="also pack --out's JSON and logs here")
-  device.add_argument("--parts", nargs="+", default=["tests", "loss", "train"])
+  device.add_argument("--parts", nargs="+", default=["tests", "loss", "train"],
+                      choices=["tests", "loss", "train", "quality"])
   device.add_argument("--repeats", type=int, default=5)
   device.add_argument("--train-steps", type=int, default=5)
   device.add_argument("--tests-s", type=int, default=180)
@@ -136,8 +155,13 @@ def main() -> None:
   device.add_argument("--runs", nargs="+", default=list(gpu_run.NEXT_RUNS),
                       choices=[r[0] for r in gpu_run.QUALITY_GRID],
                       help="names of gpu_run.QUALITY_GRID, run in this order")
+  chip = commands.add_parser("chip", help="one chip part in this process (device calls it)")
+  chip.add_argument("part", choices=["environment", "loss", "train"])
+  chip.add_argument("--out", required=True)
+  chip.add_argument("--repeats", type=int, default=5)
+  chip.add_argument("--train-steps", type=int, default=5)
   args = parser.parse_args()
-  {"wheels": cmd_wheels, "device": cmd_device}[args.command](args)
+  {"wheels": cmd_wheels, "device": cmd_device, "chip": cmd_chip}[args.command](args)
 
 
 if __name__ == "__main__":
