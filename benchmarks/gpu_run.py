@@ -155,15 +155,22 @@ GPU_TESTS = ("tests/cutbce/kernels/test_mosaic.py", "tests/cutbce/kernels/test_g
 
 
 def part_tests(out: pathlib.Path, limit_s: int, tests=GPU_TESTS, stop_first: bool = True) -> dict:
-  command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+  command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
              *(["-x"] if stop_first else []), *tests]
   start = time.perf_counter()
-  try:
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=limit_s,
-                          check=False)
-    result = {"returncode": done.returncode, "tail": (done.stdout + done.stderr)[-4000:]}
-  except subprocess.TimeoutExpired:
-    result = {"returncode": None, "tail": f"timed out after {limit_s} s"}
+  log_path = out / "tests.log"
+  out.mkdir(parents=True, exist_ok=True)
+  with open(log_path, "w") as log:  # streamed, so a run cut by limit_s still shows its progress
+    process = subprocess.Popen([*command, "-rfE"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+      returncode = process.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      process.wait()
+      returncode = None
+  tail = log_path.read_text(errors="replace")[-4000:]
+  result = {"returncode": returncode,
+            "tail": tail if returncode is not None else f"timed out after {limit_s} s\n{tail}"}
   result.update(command=" ".join(command[2:]), seconds=round(time.perf_counter() - start, 1))
   _write(out, "tests.json", result)
   return result
