@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from cutbce import inputs, variants
+from cutbce.kernels import matmul
 from cutbce.stats import Stats
 
 
@@ -31,7 +32,8 @@ def _item_columns(vocab, num_items):
 
 def _dense_logits(flat: inputs.Flat):
   logits = jnp.einsum(
-      "td,vd->tv", flat.hidden, flat.table, preferred_element_type=jnp.float32
+      "td,vd->tv", flat.hidden, flat.table, preferred_element_type=jnp.float32,
+      precision=matmul.precision(flat.hidden, flat.table),
   )  # [T, V]
   if flat.bias is not None:
     logits = logits + flat.bias.astype(jnp.float32)[None, :]

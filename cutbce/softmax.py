@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from cutbce import backends, inputs, reference, sparse
+from cutbce.kernels import matmul
 from cutbce.kernels.tiling import TilePlan
 
 TARGET_REDUCTIONS = ("sum", "mean")
@@ -127,7 +128,8 @@ def _item_rows(table, num_items: int, valid_rows):
 def _item_sums(table, bias, items):
   """(sum over item rows of e_v `[D]` f32, of b_v f32 or 0): a mat-vec, no `[V, D]` copy."""
   table_sum = jax.lax.dot_general(items.astype(table.dtype), table, (((0,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
+                                  preferred_element_type=jnp.float32,
+                                  precision=matmul.precision(table))
   bias_sum = 0.0 if bias is None else jnp.sum(jnp.where(items, bias.astype(jnp.float32), 0.0))
   return table_sum, bias_sum
 
@@ -236,7 +238,8 @@ def local_forward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds,
   linear = -coeffs.target * jnp.sum(jnp.where(ids.target_mask, logits.target, 0.0), axis=-1)
   if call.label_smoothing:
     table_sum, bias_sum = _item_sums(table, bias, _item_rows(table, call.num_items, valid_rows))
-    item_logits = jnp.dot(hidden.astype(jnp.float32), table_sum) + bias_sum  # sum_v x_tv
+    item_logits = jnp.dot(hidden.astype(jnp.float32), table_sum,
+                          precision=matmul.precision(jnp.float32)) + bias_sum  # sum_v x_tv
     if ids.exclude_mask is not None:
       item_logits = item_logits - jnp.sum(
           jnp.where(ids.exclude_mask, logits.exclude, 0.0), axis=-1)

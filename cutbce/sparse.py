@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from cutbce import variants
+from cutbce.kernels import matmul
 from cutbce.variants import LossOptions
 
 
@@ -226,7 +227,7 @@ def sparse_grads(hidden, table, has_bias: bool, all_ids, coefficients):
   rows = jnp.take(table, all_ids, axis=0)  # [T, K, D]
   dh = jnp.einsum(
       "tk,tkd->td", coefficients, rows.astype(jnp.float32),
-      preferred_element_type=jnp.float32,
+      preferred_element_type=jnp.float32, precision=matmul.precision(jnp.float32),
   )
   contributions = coefficients[:, :, None] * hidden.astype(jnp.float32)[:, None, :]
   dtable = jnp.zeros(table.shape, jnp.float32).at[all_ids].add(contributions)

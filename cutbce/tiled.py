@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from cutbce import backends, inputs, sparse
+from cutbce.kernels import matmul
 from cutbce.kernels.tiling import TilePlan
 from cutbce.variants import LossOptions
 
@@ -77,7 +78,8 @@ def _finish_loss(call: TiledCall, dense_sum, positive_count, hidden, table, bias
   per_token = dense_sum if scale == 1.0 else scale * dense_sum
   if slope:
     table_sum, bias_sum = _item_sums(table, bias, call.num_items)
-    linear = jnp.dot(hidden.astype(jnp.float32), table_sum) + bias_sum  # [T]
+    linear = jnp.dot(hidden.astype(jnp.float32), table_sum,
+                     precision=matmul.precision(jnp.float32)) + bias_sum  # [T]
     per_token = per_token - slope * linear
   per_token = per_token + sparse.loss_correction(ids, logits, call.options)
   counts = None
@@ -136,7 +138,8 @@ def _finish_grads(call: TiledCall, hidden, table, scale, hidden_grad, table_grad
     table_sum, _ = _item_sums(table, None, call.num_items)
     hidden_grad = hidden_grad - slope * scale[:, None] * table_sum[None, :]
     item_rows = jnp.arange(table.shape[0]) < call.num_items  # [V]
-    weighted_hidden = jnp.dot(scale, hidden.astype(jnp.float32))  # [D]
+    weighted_hidden = jnp.dot(scale, hidden.astype(jnp.float32),
+                              precision=matmul.precision(jnp.float32))  # [D]
     table_grad = table_grad - slope * jnp.where(item_rows[:, None], weighted_hidden, 0.0)
     if bias_grad is not None:
       bias_grad = bias_grad - slope * jnp.where(item_rows, jnp.sum(scale), 0.0)

@@ -260,6 +260,14 @@ BODY_TILES = {
 BODY_TOKEN_VECTORS = 8
 BODY_ROWS = (2, 3)
 BF16_TRANSPOSED = 0.5
+# float32 products at float32's precision (`cutbce/kernels/matmul.py`: HIGHEST, not
+# one bfloat16 pass): Mosaic multiplies bfloat16 pieces of both operands and
+# keeps them in VMEM. Per kernel, the [block_t, block_v] f32 tiles and
+# [block_v, D] f32 table tiles that adds, fitted to the grid's float32 plans
+# measured with and without it (`benchmarks/tpu_vmem.py --grid`): the
+# backward's two gradient products take the most (25 MiB more at 512 x 2048
+# on v5e, D = 512).
+F32_PIECES = {"forward": (1.0, 0.3), "backward": (3.5, 2.0), "ranks": (0.5, 1.0)}
 
 
 def vmem_estimate(
@@ -278,7 +286,8 @@ def vmem_estimate(
   outputs on one core; the forward's and rank kernel's token blocks when one
   chunk holds every token); the body's live f32 logit tiles (`BODY_TILES`)
   and other temporaries (`BODY_TOKEN_VECTORS`, `BODY_ROWS`, the dE product,
-  f32's transposed table); and `MOSAIC_SCRATCH_BYTES`; the sum times
+  f32's transposed table, f32 products' bfloat16 pieces `F32_PIECES`); and
+  `MOSAIC_SCRATCH_BYTES`; the sum times
   `ALLOCATION_MARGIN`.
   Measured with XLA's placement of operands in VMEM off: with it on (the
   default) XLA may hold an operand in VMEM outside the kernel's scoped
@@ -323,6 +332,9 @@ def vmem_estimate(
     # about half of it live).
     total += buffer_bytes(d, bv, 4) if s == 4 else int(BF16_TRANSPOSED * buffer_bytes(d, bv, s))
   total += extra_logit_tiles * logit_tile  # variants' elementwise temporaries
+  if s == 4:  # the float32 products' bfloat16 pieces
+    tiles, table_tiles = F32_PIECES[kernel]
+    total += int(tiles * logit_tile + table_tiles * buffer_bytes(bv, d, 4))
   total += 2 * buffer_bytes(bv, d, s)  # table tile [block_v, D], x2 buffers
   total += 2 * buffer_bytes(1, bv, 4)  # bias tile [1, block_v] f32, x2 buffers
   if kernel == "forward":

@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from cutbce import variants
-from cutbce.kernels import tiling
+from cutbce.kernels import matmul, tiling
 from cutbce.kernels.tiling import TilePlan
 from cutbce.kernels.xla import SOFTMAX_FLOOR
 from cutbce.variants import LossOptions
@@ -347,7 +347,8 @@ def _column_ids(vocab_index, geom: _Geometry):
 
 def _tile_logits(hidden, table, bias_ref):
   """`[block_t, block_v]` float32 logits h . e (+ b) on the MXU."""
-  logits = lax.dot_general(hidden, table, NT_DIMS, preferred_element_type=jnp.float32)
+  logits = lax.dot_general(hidden, table, NT_DIMS, preferred_element_type=jnp.float32,
+                           precision=matmul.precision(hidden, table))
   if bias_ref is not None:
     logits = logits + bias_ref[...]  # [1, block_v] f32
   return logits
@@ -622,10 +623,12 @@ def _backward_tile(vocab_index, *, refs, geom: _Geometry, rows_in_chunk: int,
         grad = jnp.where(columns == fixed_ids[:, k:k + 1], fixed_values[:, k:k + 1], grad)
     grad_mxu = grad.astype(compute_dtype)
     hidden_grad_ref[rows, :] += lax.dot(
-        grad_mxu, table, preferred_element_type=jnp.float32
+        grad_mxu, table, preferred_element_type=jnp.float32,
+        precision=matmul.precision(grad_mxu, table),
     )  # [block_t, D]
     table_grad_ref[...] += lax.dot(
-        grad_mxu.T, hidden, preferred_element_type=jnp.float32
+        grad_mxu.T, hidden, preferred_element_type=jnp.float32,
+        precision=matmul.precision(grad_mxu, hidden),
     )  # [block_v, D]
     if has_bias:
       bias_grad_ref[...] += jnp.sum(grad, axis=0, keepdims=True)  # [1, block_v]

@@ -59,6 +59,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cutbce import variants
+from cutbce.kernels import matmul
 from cutbce.kernels.tiling import TilePlan, default_xla_block_v
 from cutbce.variants import LossOptions, softplus  # noqa: F401  (softplus: re-exported)
 
@@ -70,7 +71,7 @@ def tile_logits(hidden, table_tile, bias_tile):
   """`[T, block_v]` float32 logits of one tile (MXU-style f32 accumulation)."""
   logits = lax.dot_general(
       hidden, table_tile, (((1,), (1,)), ((), ())),
-      preferred_element_type=jnp.float32,
+      preferred_element_type=jnp.float32, precision=matmul.precision(hidden, table_tile),
   )
   if bias_tile is not None:
     logits = logits + bias_tile.astype(jnp.float32)[None, :]
@@ -223,11 +224,11 @@ def _sweep(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids, fixed_v
     logit_grad_c = logit_grad.astype(compute_dtype)
     hidden_grad = hidden_grad + lax.dot_general(
         logit_grad_c, table_tile, (((1,), (0,)), ((), ())),
-        preferred_element_type=jnp.float32,
+        preferred_element_type=jnp.float32, precision=matmul.precision(logit_grad_c, table_tile),
     )  # [T, D]
     tile_grad = lax.dot_general(
         logit_grad_c, hidden, (((0,), (0,)), ((), ())),
-        preferred_element_type=jnp.float32,
+        preferred_element_type=jnp.float32, precision=matmul.precision(logit_grad_c, hidden),
     )  # [block_v, D]
     table_grad = _update_rows(
         table_grad, slice_rows(table_grad, start, size) + tile_grad, start
@@ -428,9 +429,11 @@ def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad,
     logit_grad = set_columns(logit_grad, fixed_ids, fixed_values, start, size)
     logit_grad_c = logit_grad.astype(compute_dtype)
     hidden_grad = hidden_grad + lax.dot_general(
-        logit_grad_c, table_tile, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        logit_grad_c, table_tile, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+        precision=matmul.precision(logit_grad_c, table_tile))
     tile_grad = lax.dot_general(
-        logit_grad_c, hidden, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        logit_grad_c, hidden, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+        precision=matmul.precision(logit_grad_c, hidden))
     table_grad = _update_rows(table_grad, slice_rows(table_grad, start, size) + tile_grad, start)
     if bias_grad is not None:
       bias_grad = _update_rows(

@@ -233,8 +233,8 @@ def test_no_token_by_vocab_array_in_forward_or_backward(use_bias, use_exclude, r
   assert max(_intermediate_sizes(dense.jaxpr)) >= tokens * vocab  # the check can fail
 
 
+@pytest.mark.skipif(jax.default_backend() == "tpu", reason="off a TPU only: on one, auto is Pallas")
 def test_auto_backend_runs_the_xla_path_off_tpu():
-  assert jax.default_backend() != "tpu"
   assert api.resolve_backend("auto") == "auto"  # chosen when lowered
   case = CASES["ragged_v1003"]
   data = make_case(case)

@@ -79,10 +79,10 @@ def test_recompiled_need_matches_the_file_and_the_band(chip, kernel):
 
 def test_the_planner_is_never_slower_or_smaller_than_before_issue_40():
   """Today's plans against the planner before issue 40 (`tpu_vmem.py --record-before`),
-  by the planner's time model (`tiling.plan_seconds`): never slower beyond its tie band;
-  a smaller logit tile only in fewer chunks, where the model says faster by more than
-  the band, or where the old plan no longer fits the calibrated estimate; and faster
-  in many."""
+  by the planner's time model (`tiling.plan_seconds`): never slower beyond its tie band
+  and a smaller logit tile only in fewer chunks or where the model says faster by more
+  than the band, unless the old plan no longer fits the calibrated estimate (float32's
+  product pieces, `tiling.F32_PIECES`, made some too big); and faster in many."""
   before = json.loads(RESULTS.read_text())["planner_before_issue_40"]["plans"]
   problems, faster = [], 0
   for key, chip, kernel, tokens, vocab, dim, dtype in tpu_vmem.planner_points():
@@ -100,8 +100,8 @@ def test_the_planner_is_never_slower_or_smaller_than_before_issue_40():
     tie = 1 + tiling.PLAN_SECONDS_TIE
     chunks = [-(-tokens // min(p.token_chunk, tokens)) for p in (plan, old)]
     smaller = plan.block_t * plan.block_v < block_t * block_v
-    if seconds[0] > seconds[1] * tie or (smaller and old_fits and chunks[0] >= chunks[1]
-                                         and seconds[0] * tie > seconds[1]):
+    if old_fits and (seconds[0] > seconds[1] * tie
+                     or (smaller and chunks[0] >= chunks[1] and seconds[0] * tie > seconds[1])):
       problems.append(f"{key}: ({plan.block_t}, {plan.block_v}, {plan.token_chunk}) "
                       f"{seconds[0] * 1e3:.3f} ms by the model, before ({block_t}, {block_v}, "
                       f"{chunk}) {seconds[1] * 1e3:.3f} ms")

@@ -1,0 +1,75 @@
+"""The device scripts' plumbing: quality runs at once (a GPU) or one at a time
+(a TPU, which one process at a time can hold), and the TPU run's bundle."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import tarfile
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import gpu_run  # noqa: E402  pylint: disable=wrong-import-position
+import tpu_run  # noqa: E402  pylint: disable=wrong-import-position
+
+
+class _FakeProcess:
+  """Records when it was started and waited for; writes the run's report."""
+
+  def __init__(self, events, command, **_):
+    self.name = pathlib.Path(command[command.index("--out") + 1]).stem
+    self.report = pathlib.Path(command[command.index("--out") + 1])
+    self.events = events
+    events.append(("start", self.name))
+
+  def wait(self, timeout=None):
+    del timeout
+    self.events.append(("end", self.name))
+    self.report.write_text(json.dumps({"ndcg@10": 0.5, "hr@10": 0.6, "mrr": 0.4, "step": 10,
+                                       "wall_s": 1.0}))
+    return 0
+
+
+@pytest.mark.parametrize("at_once", [True, False])
+def test_quality_runs_at_once_or_one_after_the_other(tmp_path, monkeypatch, at_once):
+  events = []
+  monkeypatch.setattr(gpu_run.subprocess, "Popen",
+                      lambda command, **kw: _FakeProcess(events, command, **kw))
+  monkeypatch.setattr(gpu_run, "_environment", dict)
+  names = ["replica_seed2", "replica_seed0"]  # run in this order, not the grid's
+  result = gpu_run.part_quality(tmp_path, 60, names, at_once=at_once)
+  if at_once:
+    assert events == [("start", "replica_seed2"), ("start", "replica_seed0"),
+                      ("end", "replica_seed2"), ("end", "replica_seed0")]
+  else:
+    assert events == [("start", "replica_seed2"), ("end", "replica_seed2"),
+                      ("start", "replica_seed0"), ("end", "replica_seed0")]
+  assert set(result["runs"]) == set(names)
+  assert result["runs"]["replica_seed0"]["ndcg@10"] == 0.5
+  command = result["runs"]["replica_seed0"]["command"]
+  assert "--set mesh.shape=(1,) --set seed=0" in command  # one device, then the run's own
+  assert json.loads((tmp_path / "quality.json").read_text())["at_once"] is at_once
+
+
+def test_bundle_keeps_reports_and_logs_not_checkpoints(tmp_path):
+  out = tmp_path / "out"
+  (out / "quality" / "run" / "checkpoints" / "10").mkdir(parents=True)
+  (out / "quality" / "run" / "checkpoints" / "10" / "state").write_text("x")
+  (out / "quality" / "run" / "metrics.jsonl").write_text("{}\n")
+  (out / "quality" / "run.json").write_text("{}")
+  (out / "quality" / "run.log").write_text("log")
+  (out / "loss.json").write_text("{}")
+  tpu_run._bundle(out, tmp_path / "b.tar.gz")  # pylint: disable=protected-access
+  with tarfile.open(tmp_path / "b.tar.gz") as tar:
+    names = sorted(tar.getnames())
+  assert names == ["loss.json", "quality/run.json", "quality/run.log",
+                   "quality/run/metrics.jsonl"]
+
+
+def test_device_parts_are_checked_by_name():
+  with pytest.raises(SystemExit):
+    sys.argv = ["tpu_run.py", "device", "--out", "x", "--parts", "speed"]
+    tpu_run.main()
