@@ -147,6 +147,16 @@ def _environment() -> dict:
           "platform": platform.platform()}
 
 
+def _wait(process, timeout: float):
+  """`process`'s exit status, or None where it ran past `timeout` s and was killed."""
+  try:
+    return process.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    process.wait()
+    return None
+
+
 # The fast GPU subset: kernels run compiled on the GPU, the compile tests for
 # the attached GPU's twins.
 GPU_TESTS = ("tests/cutbce/kernels/test_mosaic.py", "tests/cutbce/kernels/test_gpu.py",
@@ -162,12 +172,7 @@ def part_tests(out: pathlib.Path, limit_s: int, tests=GPU_TESTS, stop_first: boo
   out.mkdir(parents=True, exist_ok=True)
   with open(log_path, "w") as log:  # streamed, so a run cut by limit_s still shows its progress
     process = subprocess.Popen([*command, "-rfE"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-      returncode = process.wait(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-      process.kill()
-      process.wait()
-      returncode = None
+    returncode = _wait(process, limit_s)
   tail = log_path.read_text(errors="replace")[-4000:]
   result = {"returncode": returncode,
             "tail": tail if returncode is not None else f"timed out after {limit_s} s\n{tail}"}
@@ -459,13 +464,7 @@ def part_quality(out: pathlib.Path, limit_s: int, names, at_once: bool = True) -
                             stderr=subprocess.STDOUT), command, log
 
   def finish(name, process, command, log):
-    left = max(1.0, limit_s - (time.perf_counter() - start))
-    try:
-      returncode = process.wait(timeout=left)
-    except subprocess.TimeoutExpired:
-      process.kill()
-      process.wait()
-      returncode = None
+    returncode = _wait(process, max(1.0, limit_s - (time.perf_counter() - start)))
     log.close()
     report = folder / f"{name}.json"
     row = {"command": " ".join(command[1:]), "returncode": returncode,
@@ -500,8 +499,14 @@ def cmd_device(args) -> None:
            "loss": lambda: part_loss(out, args.repeats),
            "train": lambda: part_train(out, args.train_steps),
            "quality": lambda: part_quality(out, args.quality_s, args.runs)}
+  run_parts(out, parts, args.parts)
+
+
+def run_parts(out: pathlib.Path, parts: dict, names, after_each=None) -> dict:
+  """Each of `names`' parts in turn, a failing one noted and passed over; summary.json
+  (seconds or error per part) rewritten after each, then `after_each()`."""
   summary = {}
-  for name in args.parts:
+  for name in names:
     start = time.perf_counter()
     try:
       parts[name]()
@@ -510,7 +515,10 @@ def cmd_device(args) -> None:
       summary[name] = {"error": f"{type(error).__name__}: {error}",
                        "seconds": round(time.perf_counter() - start, 1)}
     print(f"== {name}: {summary[name]}", flush=True)
-  _write(out, "summary.json", summary)
+    _write(out, "summary.json", summary)
+    if after_each is not None:
+      after_each()
+  return summary
 
 
 def main() -> None:

@@ -38,7 +38,6 @@ import pathlib
 import subprocess
 import sys
 import tarfile
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -124,19 +123,8 @@ def cmd_device(args) -> None:
            "train": lambda: chip("train"),
            "quality": lambda: gpu_run.part_quality(out, args.quality_s, args.runs,
                                                    at_once=False)}
-  summary = {}
-  for name in ["environment", *args.parts]:
-    start = time.perf_counter()
-    try:
-      parts[name]()
-      summary[name] = {"seconds": round(time.perf_counter() - start, 1)}
-    except Exception as error:  # pylint: disable=broad-except
-      summary[name] = {"error": f"{type(error).__name__}: {error}",
-                       "seconds": round(time.perf_counter() - start, 1)}
-    print(f"== {name}: {summary[name]}", flush=True)
-    gpu_run._write(out, "summary.json", summary)  # pylint: disable=protected-access
-    if args.bundle:
-      _bundle(out, pathlib.Path(args.bundle))
+  bundle = (lambda: _bundle(out, pathlib.Path(args.bundle))) if args.bundle else None
+  gpu_run.run_parts(out, parts, ["environment", *args.parts], after_each=bundle)
 
 
 def main() -> None:
