@@ -385,6 +385,8 @@ QUALITY_GRID += (
     ("a_init_linear_seed1", SASREC_PLUS,
      ["seed=1", "model.init='sasrec_plus'", "model.embedding_std=0.125"]),
     ("replica_pre_ln_seed0", REPLICA, ["seed=0", "model.block='pre_ln'", "model.mlp_dim=256"]),
+    ("replica_pre_ln_seed1", REPLICA, ["seed=1", "model.block='pre_ln'", "model.mlp_dim=256"]),
+    ("replica_pre_ln_seed2", REPLICA, ["seed=2", "model.block='pre_ln'", "model.mlp_dim=256"]),
     ("best_init_seed0", BEST, ["seed=0", "model.init='sasrec_plus'"]),
     # The best recipe (B) on the replica's model: does the gain carry over?
     ("best_replica_model_seed0", BEST,
