@@ -412,8 +412,9 @@ QUALITY_GRID += tuple(
 # The runs a plain `device` call makes, all at once (eight shared one H200
 # in 190-250 s): the first of what the grid has not measured yet: issue 39's
 # exclusion seeds on the best recipe, the best recipe with SASRec+'s
-# initializers and the best recipe on the replica's model (4,000 steps on
-# A ran on a TPU v5e chip, benchmarks/tpu_run.py). The replica's three seeds, the 3,000 negatives' three seeds, the
+# initializers, the best recipe on the replica's model and the replica
+# with A's block on seeds 1-2 (about 4 minutes each on a TPU v5e chip,
+# benchmarks/tpu_run.py, where 4,000 steps on A ran). The replica's three seeds, the 3,000 negatives' three seeds, the
 # block (seeds 0-1), the positions and no clipping alone on A, the
 # initializers alone on A (three seeds), the tables' half (three seeds),
 # the linear layers' half (seeds 0-1) and the replica with A's block
@@ -424,7 +425,7 @@ QUALITY_GRID += tuple(
 # --quality-s to match) and the six 10^6-item catalog runs (CATALOG_1M_RUNS;
 # their JSONs go to docs/results/catalog/synthetic_1m/ without the prefix).
 NEXT_RUNS = ("ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2", "best_init_seed0",
-             "best_replica_model_seed0")
+             "best_replica_model_seed0", "replica_pre_ln_seed1", "replica_pre_ln_seed2")
 LATER_RUNS = ("replica_3000_seed0", "best_sampled_softmax_k128_seed0",
               "best_sampled_softmax_k1024_seed0", "best_sampled_softmax_k128_pop_logq_seed0",
               "best_sampled_softmax_k128_pop_seed0", "best_gbce_k256_seed0",
