@@ -165,13 +165,13 @@ GPU_TESTS = ("tests/cutbce/kernels/test_mosaic.py", "tests/cutbce/kernels/test_g
 
 
 def part_tests(out: pathlib.Path, limit_s: int, tests=GPU_TESTS, stop_first: bool = True) -> dict:
-  command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+  command = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider",
              *(["-x"] if stop_first else []), *tests]
   start = time.perf_counter()
   log_path = out / "tests.log"
   out.mkdir(parents=True, exist_ok=True)
   with open(log_path, "w") as log:  # streamed, so a run cut by limit_s still shows its progress
-    process = subprocess.Popen([*command, "-rfE"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     returncode = _wait(process, limit_s)
   tail = log_path.read_text(errors="replace")[-4000:]
   result = {"returncode": returncode,
@@ -414,11 +414,11 @@ QUALITY_GRID += tuple(
 # exclusion seeds on the best recipe, the best recipe with SASRec+'s
 # initializers, the best recipe on the replica's model and the replica
 # with A's block on seeds 1-2 (about 4 minutes each on a TPU v5e chip,
-# benchmarks/tpu_run.py, where 4,000 steps on A ran). The replica's three seeds, the 3,000 negatives' three seeds, the
-# block (seeds 0-1), the positions and no clipping alone on A, the
-# initializers alone on A (three seeds), the tables' half (three seeds),
-# the linear layers' half (seeds 0-1) and the replica with A's block
-# (seed 0) ran on CPU (docs/results.md).
+# benchmarks/tpu_run.py, where 4,000 steps on A ran). The replica's three
+# seeds, the 3,000 negatives' three seeds, the block (seeds 0-1), the
+# positions and no clipping alone on A, the initializers alone on A (three
+# seeds), the tables' half (three seeds), the linear layers' half (seeds
+# 0-1) and the replica with A's block (seed 0) ran on CPU (docs/results.md).
 # LATER_RUNS wait for the next device (--runs names them): seed 0 of the
 # 3,000 negatives again (a GPU cross-check of the CPU run), issue 33's
 # sampled baselines on the best recipe, gSASRec (90,000 steps each: give it
@@ -491,13 +491,19 @@ def part_quality(out: pathlib.Path, limit_s: int, names, at_once: bool = True) -
   return result
 
 
-def cmd_device(args) -> None:
+def check_platform(out: pathlib.Path, platform_name: str) -> None:
+  """Writes environment.json; exits unless jax's default backend is `platform_name`."""
   import jax  # pylint: disable=import-outside-toplevel
-  out = pathlib.Path(args.out)
   environment = _environment()
   _write(out, "environment.json", environment)
-  if jax.default_backend() != "gpu":
-    raise SystemExit(f"no GPU: jax {jax.__version__} sees {environment['devices']}")
+  if jax.default_backend() != platform_name:
+    raise SystemExit(f"no {platform_name.upper()}: jax {jax.__version__} sees "
+                     f"{environment['devices']}")
+
+
+def cmd_device(args) -> None:
+  out = pathlib.Path(args.out)
+  check_platform(out, "gpu")
   parts = {"tests": lambda: part_tests(out, args.tests_s),
            "loss": lambda: part_loss(out, args.repeats),
            "train": lambda: part_train(out, args.train_steps),

@@ -54,7 +54,8 @@ WHEELS = ("absl-py==2.5.1", "aiofiles==25.1.0", "array_record==0.8.6", "cloudpic
           "PyYAML==6.0.4", "rich==15.0.0", "markdown-it-py==4.3.0", "mdurl==0.1.2",
           "Pygments==2.21.0", "simplejson==4.3.0", "tensorboardX==2.6.5", "treescope==0.1.10",
           "typing_extensions==4.16.0", "zipp==4.1.2", "uvloop==0.23.0", "ml_dtypes==0.7.0",
-          "portpicker==1.6.0", "prometheus_client==0.26.0", "packaging==26.4", "nest_asyncio==1.6.0")
+          "portpicker==1.6.0", "prometheus_client==0.26.0", "packaging==26.4",
+          "nest_asyncio==1.6.0")
 PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
@@ -94,12 +95,8 @@ def _bundle(out: pathlib.Path, bundle: pathlib.Path) -> None:
 
 def cmd_chip(args) -> None:
   """The parts that hold the chip (in this process): environment, loss, train."""
-  import jax  # pylint: disable=import-outside-toplevel
   out = pathlib.Path(args.out)
-  environment = gpu_run._environment()  # pylint: disable=protected-access
-  gpu_run._write(out, "environment.json", environment)  # pylint: disable=protected-access
-  if jax.default_backend() != "tpu":
-    raise SystemExit(f"no TPU: jax {jax.__version__} sees {environment['devices']}")
+  gpu_run.check_platform(out, "tpu")
   if args.part == "loss":
     gpu_run.part_loss(out, args.repeats, _contenders, checked=("pallas_tpu",))
   elif args.part == "train":
@@ -131,23 +128,22 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   commands = parser.add_subparsers(dest="command", required=True)
   commands.add_parser("wheels")
-  device = commands.add_parser("device")
-  device.add_argument("--out", required=True)
+  common = argparse.ArgumentParser(add_help=False)  # what device passes on to chip
+  common.add_argument("--out", required=True)
+  common.add_argument("--repeats", type=int, default=5)
+  common.add_argument("--train-steps", type=int, default=5)
+  device = commands.add_parser("device", parents=[common])
   device.add_argument("--bundle", default=None, help="also pack --out's JSON and logs here")
   device.add_argument("--parts", nargs="+", default=["tests", "loss", "train"],
                       choices=["tests", "loss", "train", "quality"])
-  device.add_argument("--repeats", type=int, default=5)
-  device.add_argument("--train-steps", type=int, default=5)
   device.add_argument("--tests-s", type=int, default=180)
   device.add_argument("--quality-s", type=int, default=480)
   device.add_argument("--runs", nargs="+", default=list(gpu_run.NEXT_RUNS),
                       choices=[r[0] for r in gpu_run.QUALITY_GRID],
                       help="names of gpu_run.QUALITY_GRID, run in this order")
-  chip = commands.add_parser("chip", help="one chip part in this process (device calls it)")
+  chip = commands.add_parser("chip", parents=[common],
+                             help="one chip part in this process (device calls it)")
   chip.add_argument("part", choices=["environment", "loss", "train"])
-  chip.add_argument("--out", required=True)
-  chip.add_argument("--repeats", type=int, default=5)
-  chip.add_argument("--train-steps", type=int, default=5)
   args = parser.parse_args()
   {"wheels": cmd_wheels, "device": cmd_device, "chip": cmd_chip}[args.command](args)
 
