@@ -425,7 +425,7 @@ QUALITY_GRID += tuple(
 # --quality-s to match) and the six 10^6-item catalog runs (CATALOG_1M_RUNS;
 # their JSONs go to docs/results/catalog/synthetic_1m/ without the prefix).
 NEXT_RUNS = ("ce_capacity_exclude_seed1", "ce_capacity_exclude_seed2", "best_init_seed0",
-             "best_replica_model_seed0", "replica_pre_ln_seed1", "replica_pre_ln_seed2")
+             "best_replica_model_seed0")
 LATER_RUNS = ("replica_3000_seed0", "best_sampled_softmax_k128_seed0",
               "best_sampled_softmax_k1024_seed0", "best_sampled_softmax_k128_pop_logq_seed0",
               "best_sampled_softmax_k128_pop_seed0", "best_gbce_k256_seed0",
