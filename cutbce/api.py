@@ -63,9 +63,9 @@ def cut_bce(
     backend: "auto" (Pallas on TPU, XLA elsewhere, chosen when the program
       is lowered, so exporting for TPU from a CPU host gives the Pallas
       kernels), "xla", "pallas_tpu" (Pallas' interpreter off-TPU),
-      "pallas_gpu" (Mosaic GPU kernels; their interpreter off-GPU),
-      "pallas_triton" (Pallas Triton kernels), or "dense" (the
-      materializing reference).
+      "pallas_gpu" (Mosaic GPU kernels; their interpreter on a CPU),
+      "pallas_triton" (Pallas Triton kernels; the GPU kernels are refused
+      on a TPU host), or "dense" (the materializing reference).
     plan: optional `cutbce.TilePlan` overriding the tile sizes (default: each
       kernel plans for itself).
     num_items: the catalog size when the table has padding rows: rows at or

@@ -29,7 +29,7 @@ _LOG = logging.getLogger("cutbce")
 # resolves (`resolve_backend`) to "pallas_tpu" on a TPU host, to the "auto"
 # kernel set (Pallas when lowered for TPU, XLA otherwise) where the Pallas
 # kernels take the inputs, and to "xla" where they do not. "auto" never picks
-# "pallas_gpu" (Mosaic GPU kernels, compiled on a GPU, interpreted elsewhere)
+# "pallas_gpu" (Mosaic GPU kernels, compiled on a GPU, interpreted on a CPU)
 # or "pallas_triton" (the Pallas Triton kernels they replace): on a GPU it
 # stays on the XLA path until a run on a GPU shows the fused kernels faster
 # (docs/kernels.md, "Mosaic GPU kernels").

@@ -410,8 +410,8 @@ def cut_softmax_ce(hidden, table, targets, weights=None, *, bias=None, exclude=N
     backend: as in `cut_bce`: "auto" (the Pallas TPU softmax kernels when
       lowered for TPU, the tiled XLA path elsewhere), "xla", "pallas_tpu"
       (Pallas' interpreter off-TPU), "pallas_gpu" (the Mosaic GPU softmax
-      kernels: compiled on a GPU, Pallas' Mosaic GPU interpreter elsewhere),
-      "pallas_triton" (the Pallas Triton ones), or "dense"
+      kernels: compiled on a GPU, Pallas' Mosaic GPU interpreter on a CPU),
+      "pallas_triton" (the Pallas Triton ones; both refused on a TPU host), or "dense"
       (`cutbce.dense_softmax_ce`, the materializing reference).
 
   Returns:

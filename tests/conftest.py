@@ -2,8 +2,9 @@
 
 Eight simulated CPU devices (set before jax is imported, appended to any
 XLA_FLAGS already given), a `--runslow` option (tests marked `slow` are
-skipped unless it is passed), and jax 0.12's fix to Pallas' interpreter
-cache on older jax (`_cache_interpreted_kernel_bodies`).
+skipped unless it is passed), the GPU kernels' tests skipped on a TPU host,
+and jax 0.12's fix to Pallas' interpreter cache on older jax
+(`_cache_interpreted_kernel_bodies`).
 """
 
 import os
@@ -53,10 +54,18 @@ def _cache_interpreted_kernel_bodies():
   thread_map._run_jaxpr = run_jaxpr  # pylint: disable=protected-access
 
 
+# Names of tests that run the GPU kernels (a backend parameter or the test's
+# own name): compiled on a GPU, interpreted on a CPU, refused on a TPU host.
+_GPU_KERNEL_NAMES = ("pallas_gpu", "pallas_triton", "gpu_kernels")
+
+
 def pytest_collection_modifyitems(config, items):
-  if config.getoption("--runslow"):
-    return
+  import jax  # pylint: disable=import-outside-toplevel
+  skip_gpu = pytest.mark.skip(reason="runs the GPU kernels, which a TPU host refuses")
+  on_tpu = jax.default_backend() == "tpu"
   skip_slow = pytest.mark.skip(reason="slow: pass --runslow to run")
   for item in items:
-    if "slow" in item.keywords:
+    if on_tpu and any(name in item.name for name in _GPU_KERNEL_NAMES):
+      item.add_marker(skip_gpu)
+    if "slow" in item.keywords and not config.getoption("--runslow"):
       item.add_marker(skip_slow)

@@ -302,3 +302,16 @@ def test_docstring_examples_run():
   for module in (api, metrics):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and (module is metrics or result.attempted > 0)
+
+
+@pytest.mark.parametrize("op", ["cut_bce", "cut_softmax_ce"])
+@pytest.mark.parametrize("backend", ["pallas_gpu", "pallas_triton"])
+def test_gpu_backends_are_refused_on_a_tpu_host(op, backend, monkeypatch):
+  # On a TPU the GPU kernels' interpreter would run at the TPU's precision, or
+  # not lower at all (Mosaic GPU's): a clear refusal instead.
+  hidden = jnp.ones((2, 3, 8), jnp.float32)
+  table = jnp.ones((16, 8), jnp.float32)
+  targets = jnp.zeros((2, 3, 1), jnp.int32)
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  with pytest.raises(NotImplementedError, match="not on a TPU host"):
+    getattr(cutbce, op)(hidden, table, targets, backend=backend)

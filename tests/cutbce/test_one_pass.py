@@ -13,11 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 import cutbce
 from cutbce.sharding import sharded_cut_bce
-from tests.cutbce import np_reference
+from tests.cutbce import meshes, np_reference
 from tests.cutbce.cases import CASES, make_case
 
 ALL_VARIANTS = dict(pos_weight=2.0, label_smoothing=0.1, logit_soft_cap=4.0, focal_gamma=2.0,
@@ -138,7 +137,7 @@ def test_one_pass_arguments():
     ((2, 4), ("data", "model"), "model"), ((8, 1), ("data",), None), ((1, 8), (), "model")])
 def test_sharded_one_pass_equals_two_passes(shape, token_axes, vocab_axis):
   data, args = _data("one_tile", seed=2)
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), ("data", "model"))
+  mesh = meshes.mesh(shape)
   hidden = jnp.tile(args[0], (4, 1, 1))  # B = 8 for the token axes
   targets, exclude = (jnp.tile(jnp.asarray(data[k]), (4, 1, 1)) for k in ("targets", "exclude"))
   weights = jnp.tile(jnp.asarray(data["weights"], jnp.float32), (4, 1))

@@ -26,12 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 import cutbce
 from cutbce.kernels.tiling import TilePlan
 from cutbce.sharding import sharded_cut_bce, sharded_cut_softmax_ce
-from tests.cutbce import np_reference
+from tests.cutbce import meshes, np_reference
 
 B, N, D, L, E = 2, 9, 24, 3, 2
 V, NUM_ITEMS = 261, 258  # 3 padding rows; no tile below divides either
@@ -169,7 +168,7 @@ def _check_no_worse_than_dense(got, dense, oracle, dtype, what):
 
 
 def _mesh():
-  return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+  return meshes.mesh((2, 2))
 
 
 DTYPES = [jnp.float32, jnp.bfloat16]

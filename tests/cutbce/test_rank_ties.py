@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 import cutbce
 from cutbce.sharding import sharded_target_ranks
-from tests.cutbce import np_reference
+from tests.cutbce import meshes, np_reference
 
 T, D, V, L, E = 12, 16, 203, 3, 4
 BLOCK_V = 32  # 203 = 6 * 32 + 11: a ragged end
@@ -118,7 +117,7 @@ def test_metrics_never_exceed_one_when_targets_tie(backend):
 
 def test_sharded_twins_equal_dense():
   hidden, table, bias, targets, exclude = _twins(jnp.float32, seed=2)
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+  mesh = meshes.mesh((2, 4))
   hidden = jnp.reshape(hidden, (4, 3, D))
   targets, exclude = jnp.reshape(targets, (4, 3, L)), jnp.reshape(exclude, (4, 3, E))
   ranks = jax.jit(lambda h: sharded_target_ranks(

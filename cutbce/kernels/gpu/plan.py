@@ -171,7 +171,10 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def input_problem(num_tokens, hidden_dtype, table_dtype) -> str | None:
-  """Why inputs cannot run on either GPU kernel set (dtype, no tokens), or None."""
+  """Why inputs cannot run on either GPU kernel set (platform, dtype, no tokens), or None."""
+  if jax.default_backend() == "tpu":
+    return ("the Pallas GPU kernels run compiled on a GPU or in Pallas' interpreter on a CPU, "
+            "not on a TPU host (use backend 'pallas_tpu', 'xla' or 'auto')")
   dtype = jnp.result_type(jnp.dtype(hidden_dtype), jnp.dtype(table_dtype))
   if dtype not in SUPPORTED_DTYPES:
     return (

@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 import cutbce
 from cutbce.kernels import tpu
 from cutbce.sharding import sharded_cut_bce, sharded_target_ranks, sharded_top_k
+from tests.cutbce import meshes
 
 B, N, D, V, L, E = 8, 8, 32, 1003, 3, 4
 MIB = 1024 * 1024
@@ -56,8 +56,7 @@ VARIANTS = (("label_smoothing", 0.1), ("logit_soft_cap", 4.0), ("focal_gamma", 2
 
 
 def _mesh(shape):
-  devices = np.array(jax.devices()[: shape[0] * shape[1]]).reshape(shape)
-  return Mesh(devices, ("data", "model"))
+  return meshes.mesh(shape)
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,6 +14,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import cutbce
 from cutbce.sharding import collective_report, sharded_cut_bce, sharded_target_ranks
+from tests.cutbce import meshes
 
 B, N, D, V, L, E = 8, 16, 32, 1003, 4, 6
 
@@ -32,8 +33,7 @@ BF16_LAYOUTS = [LAYOUTS[0], LAYOUTS[4], LAYOUTS[6]]
 
 
 def _mesh(shape, axis_type=AxisType.Auto):
-  devices = np.array(jax.devices()[: shape[0] * shape[1]]).reshape(shape)
-  return Mesh(devices, ("data", "model"), axis_types=(axis_type, axis_type))
+  return meshes.mesh(shape, axis_types=(axis_type, axis_type))
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 import cutbce
 from cutbce.sharding import collective_report, sharded_cut_softmax_ce
+from tests.cutbce import meshes
 
 B, N, D, V, L, E = 8, 6, 16, 1003, 3, 5
 
@@ -30,7 +30,7 @@ LAYOUTS = [
 
 
 def _mesh(shape):
-  return Mesh(np.array(jax.devices()[: shape[0] * shape[1]]).reshape(shape), ("data", "model"))
+  return meshes.mesh(shape)
 
 
 @functools.lru_cache(maxsize=None)

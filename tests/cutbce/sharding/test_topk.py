@@ -14,14 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import cutbce
 from cutbce.sharding import collective_report
 from cutbce.sharding import topk as sharded_topk_module
 from cutbce.sharding.topk import sharded_top_k
 from cutbce.topk import top_k
-from tests.cutbce import np_topk
+from tests.cutbce import meshes, np_topk
 
 B, N, D, V, E = 8, 3, 4, 1003, 5
 
@@ -39,8 +39,7 @@ LAYOUTS = [
 
 
 def _mesh(shape, axis_type=AxisType.Auto):
-  devices = np.array(jax.devices()[: shape[0] * shape[1]]).reshape(shape)
-  return Mesh(devices, ("data", "model"), axis_types=(axis_type, axis_type))
+  return meshes.mesh(shape, axis_types=(axis_type, axis_type))
 
 
 @functools.lru_cache(maxsize=None)
