@@ -22,7 +22,9 @@ Two commands:
                      loss.backend xla / pallas_tpu / dense: compiled memory
                      and step time;
             quality  runs of gpu_run.QUALITY_GRID (--runs), one after the
-                     other (one process at a time can hold a TPU).
+                     other (one process at a time can hold a TPU);
+            functions  benchmarks/float32_functions.py: the chip's float32
+                     exp, log, tanh, ... and products against float64.
             Everything is written under --out; --bundle packs its JSON and
             logs (no checkpoints) into one .tar.gz, since a device call
             returns at most 8 files.
@@ -114,7 +116,13 @@ def cmd_device(args) -> None:
                "--repeats", str(args.repeats), "--train-steps", str(args.train_steps)]
     subprocess.run(command, check=True)
 
+  def functions():
+    with open(out / "float32_functions.log", "w") as log:
+      subprocess.run([sys.executable, "benchmarks/float32_functions.py"], stdout=log,
+                     stderr=subprocess.STDOUT, check=True, timeout=300)
+
   parts = {"environment": lambda: chip("environment"),
+           "functions": functions,
            "tests": lambda: gpu_run.part_tests(out, args.tests_s, TPU_TESTS, stop_first=False),
            "loss": lambda: chip("loss"),
            "train": lambda: chip("train"),
@@ -135,7 +143,7 @@ def main() -> None:
   device = commands.add_parser("device", parents=[common])
   device.add_argument("--bundle", default=None, help="also pack --out's JSON and logs here")
   device.add_argument("--parts", nargs="+", default=["tests", "loss", "train"],
-                      choices=["tests", "loss", "train", "quality"])
+                      choices=["tests", "loss", "train", "quality", "functions"])
   device.add_argument("--tests-s", type=int, default=180)
   device.add_argument("--quality-s", type=int, default=480)
   device.add_argument("--runs", nargs="+", default=list(gpu_run.NEXT_RUNS),
