@@ -39,7 +39,7 @@ the (max, sum) pairs and the linear partials across shards).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -252,24 +252,95 @@ def per_token_losses(coeffs: Coefficients, lse, linear):
   return jnp.where(coeffs.lse > 0, coeffs.lse * lse, 0.0) + linear
 
 
+class Rescale(NamedTuple):
+  """How `local_backward` rescales dh's p part (`_rescale_to_mass`).
+
+  Attributes:
+    total: the swept mass `[T]` of every table shard from this one's (identity
+      on one table; a psum over the vocabulary axis on a mesh).
+    target_mask: `[T, L]` bool, the valid deduplicated targets of the whole
+      catalog (`complement`'s columns).
+  """
+
+  total: Callable[[jax.Array], jax.Array]
+  target_mask: jax.Array
+
+
 def local_backward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds,
-                   coeffs: Coefficients, lse, complement, scale, valid_rows=None):
+                   coeffs: Coefficients, lse, complement, scale, valid_rows=None,
+                   rescale: Rescale | None = None):
   """float32 (dh, dE, db) of sum_t scale_t l_t through this table's rows.
 
   The dense sweep makes G_tv = g_t (k_t p_tv - u_t) on the softmax's items
   (the uniform part of label smoothing included, so excluded ids and padding
   get none of it); the targets' columns are set to their whole gradient
   (`target_columns`, from `complement` = 1 - p_tp `[T, L]` of `partition`).
+  With `rescale` and kernels that sum their p (`SOFTMAX_MASS`), dh's p part
+  is rescaled to the mass the forward gives those items (`_rescale_to_mass`).
   """
   g = scale.astype(jnp.float32)
   columns = target_columns(call, ids, coeffs, complement, g)
   hidden_grad, table_grad, bias_grad = sparse.rest_grads(hidden, table, bias is not None, columns)
   offset = g * coeffs.uniform if call.label_smoothing else None
-  dense_hidden_grad, table_grad, bias_grad = call.kernels.softmax_backward(
+  with_mass = rescale is not None and getattr(call.kernels, "SOFTMAX_MASS", False)
+  swept = call.kernels.softmax_backward(
       hidden, table, bias, _exclude_or_none(ids), lse, g * coeffs.lse, table_grad, bias_grad,
       offset, columns.fixed_ids, columns.fixed_values, plan=call.plan,
-      num_items=call.num_items, valid_rows=valid_rows)
+      num_items=call.num_items, valid_rows=valid_rows, **({"with_mass": True} if with_mass else {}))
+  dense_hidden_grad, table_grad, bias_grad = swept[:3]
+  if with_mass:
+    dense_hidden_grad = _rescale_to_mass(
+        call, table, ids, complement, columns, g * coeffs.uniform, dense_hidden_grad,
+        rescale.total(swept[3]), rescale.target_mask, valid_rows)
   return hidden_grad + dense_hidden_grad, table_grad, bias_grad
+
+
+def _row_combination(table, ids, weights):
+  """sum_k w_tk e_{ids_tk} `[T, D]` f32 from `[T, K]` ids (< 0: none) and weights."""
+  rows = jnp.take(table, jnp.maximum(ids, 0), axis=0).astype(jnp.float32)  # [T, K, D]
+  return jnp.einsum("tk,tkd->td", jnp.where(ids >= 0, weights, 0.0), rows,
+                    precision=matmul.precision(jnp.float32))
+
+
+def _rescale_to_mass(call: SoftmaxCall, table, ids: sparse.SparseIds, complement,
+                     columns: sparse.SweepColumns, offset, hidden_grad, mass, target_mask,
+                     valid_rows):
+  """The sweep's dh with its p part scaled so that its p sum to the forward's mass.
+
+  The sweep's p_tv = exp(x_tv - lse_t) are other exp calls than the forward's
+  sums behind lse_t: where exp is inexact (a TPU's float32 exp errs by up to
+  68 ulp, with a bias) their sum over the swept items, `mass`, is not the
+  1 - sum_p p_tp those items hold, and dh_t = sum_v G_tv e_v carries the
+  difference times the part of e_v all items share (docs/loss.md). The p
+  part of dh (dh less the fixed columns' and the smoothing offset's parts,
+  both sparse or O(D)) is multiplied by want / mass: the shared part then
+  comes out exact, the rest keeps each p's own error, as in the dense
+  reference, which divides by the sum of its own exponentials. On a vocabulary
+  shard: `mass` and `target_mask` are the whole catalog's, the p part this
+  shard's (the factor is per token, so the shards' parts sum to the whole).
+  dE keeps the inconsistency (its sum runs over tokens: a factor per token
+  would need the mass before the sweep, one more pass).
+  """
+  fixed = columns.fixed_ids
+  p_part = hidden_grad
+  count = 0
+  if fixed is not None:
+    p_part = p_part - _row_combination(table, fixed, columns.fixed_values)
+    count = fixed.shape[-1]
+  if call.label_smoothing:  # -o_t on every swept column: items, not excluded, not fixed
+    swept_rows, _ = _item_sums(table, None, _item_rows(table, call.num_items, valid_rows))
+    swept_rows = jnp.broadcast_to(swept_rows, hidden_grad.shape)
+    for skipped in (_exclude_or_none(ids), fixed):
+      if skipped is not None:
+        swept_rows = swept_rows - _row_combination(table, skipped, jnp.ones(skipped.shape))
+    p_part = p_part + offset[:, None] * swept_rows
+  # want = 1 - sum_p p_tp over the fixed targets = sum_p (1 - p_tp) - (n - 1):
+  # exactly 1 - p for one target, however close p is to 1.
+  fixed_targets = target_mask[:, :count]
+  want = (jnp.sum(jnp.where(fixed_targets, complement[:, :count], 0.0), axis=-1)
+          - (jnp.sum(fixed_targets, axis=-1) - 1).astype(jnp.float32))
+  factor = jnp.where(mass > 0, jnp.maximum(want, 0.0) / jnp.where(mass > 0, mass, 1.0) - 1.0, 0.0)
+  return hidden_grad + factor[:, None] * p_part
 
 
 def target_columns(call: SoftmaxCall, ids: sparse.SparseIds, coeffs: Coefficients,
@@ -329,7 +400,7 @@ def _per_token_bwd(call: SoftmaxCall, residuals, cotangents):
   hidden, table, bias, ids, lse, complement = residuals
   coeffs = coefficients(call, ids)
   grads = local_backward(call, hidden, table, bias, ids, coeffs, lse, complement,
-                         cotangents[0])
+                         cotangents[0], rescale=Rescale(lambda mass: mass, ids.target_mask))
   return _cast_grads(grads, hidden, table, bias) + (None,)
 
 

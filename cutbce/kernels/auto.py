@@ -20,6 +20,7 @@ from cutbce.kernels import tpu, xla
 unsupported_reason = tpu.unsupported_reason
 # The TPU branch's limit (the XLA branch takes any number).
 MAX_FIXED_COLUMNS = tpu.MAX_FIXED_COLUMNS
+SOFTMAX_MASS = tpu.SOFTMAX_MASS and xla.SOFTMAX_MASS
 
 
 def _choose(name: str, *operands, **static):

@@ -586,15 +586,15 @@ def _backward_tile(vocab_index, *, refs, geom: _Geometry, rows_in_chunk: int,
       log_z = log_z_ref[rows, :]  # [block_t, 1]
       if valid_rows is not None:
         log_z = jnp.where(row_ok, log_z, 0.0)  # garbage rows past T: finite, scale 0
-      derivative = jnp.exp(jnp.where(keep, logits - log_z, 0.0))
+      p = jnp.where(keep, jnp.exp(jnp.where(keep, logits - log_z, 0.0)), 0.0)
       if offset_ref is not None:
         offset = offset_ref[rows, :]  # [block_t, 1]
         if valid_rows is not None:
           offset = jnp.where(row_ok, offset, 0.0)
         # G = g p - o: scale * (p - o / g) would divide by g; o is added below.
-        derivative = jnp.where(keep, scale * derivative - offset, 0.0)
+        derivative = jnp.where(keep, scale * p - offset, 0.0)
       else:
-        derivative = jnp.where(keep, scale * derivative, 0.0)
+        derivative = scale * p
     elif with_loss:
       value, derivative = variants.tile_value_and_grad(options, logits)
       if valid is not None:
@@ -620,7 +620,15 @@ def _backward_tile(vocab_index, *, refs, geom: _Geometry, rows_in_chunk: int,
         fixed_ids = jnp.where(row_ok, fixed_ids, -1)
         fixed_values = jnp.where(row_ok, fixed_values, 0.0)
       for k in range(num_fixed):  # K is small and static: unrolled
-        grad = jnp.where(columns == fixed_ids[:, k:k + 1], fixed_values[:, k:k + 1], grad)
+        fixed = columns == fixed_ids[:, k:k + 1]
+        grad = jnp.where(fixed, fixed_values[:, k:k + 1], grad)
+        if softmax and with_loss:
+          p = jnp.where(fixed, 0.0, p)
+    if softmax and with_loss:
+      # The mass of the p dh is made of, the fixed columns' not counted (see xla.py).
+      if valid_rows is not None:
+        p = jnp.where(row_ok, p, 0.0)
+      dense_ref[rows, :] += jnp.sum(p, axis=1, keepdims=True)  # [block_t, 1]
     grad_mxu = grad.astype(compute_dtype)
     hidden_grad_ref[rows, :] += lax.dot(
         grad_mxu, table, preferred_element_type=jnp.float32,
@@ -996,6 +1004,8 @@ MAX_SOFTMAX_EXCLUDE = 128
 # Fixed columns per token the backward sets in f32 (compared per tile,
 # unrolled; see xla.py). Ids past it stay sparse corrections (`sparse.sweep_columns`).
 MAX_FIXED_COLUMNS = 64
+# softmax_backward returns the mass of its p (`with_mass`; see xla.py).
+SOFTMAX_MASS = True
 
 
 class _Softmax(NamedTuple):
@@ -1137,11 +1147,16 @@ def _softmax_forward(hidden, table, bias, exclude_ids, valid_rows, *, plan, with
 @functools.partial(jax.named_call, name="cutbce_tpu_softmax_backward")
 def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad, bias_grad,
                      offset=None, fixed_ids=None, fixed_values=None, *,
-                     plan: TilePlan | None, num_items: int | None = None, valid_rows=None):
-  """dh `[T, D]` f32 and the dense parts added to `table_grad`, `bias_grad` (see xla.py)."""
+                     plan: TilePlan | None, num_items: int | None = None, valid_rows=None,
+                     with_mass: bool = False):
+  """dh `[T, D]` f32 and the dense parts added to `table_grad`, `bias_grad` (see xla.py).
+
+  With `with_mass`, also the mass `[T]` f32 of the p the sweep used (the
+  per-token sum the BCE kernels fill with their loss).
+  """
   softmax = _softmax_static(exclude_ids, valid_rows)._replace(offset=offset is not None)
-  _, _, *grads = _run(_backward, hidden, table, bias, scale, table_grad, bias_grad, log_z,
-                      offset, exclude_ids, valid_rows, fixed_ids, fixed_values, plan=plan,
-                      options=variants.PLAIN,
-                      num_items=num_items, with_loss=False, with_counts=False, softmax=softmax)
-  return tuple(grads)
+  mass, _, *grads = _run(_backward, hidden, table, bias, scale, table_grad, bias_grad, log_z,
+                         offset, exclude_ids, valid_rows, fixed_ids, fixed_values, plan=plan,
+                         options=variants.PLAIN, num_items=num_items, with_loss=with_mass,
+                         with_counts=False, softmax=softmax)
+  return (*grads, mass) if with_mass else tuple(grads)

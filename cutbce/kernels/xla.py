@@ -343,13 +343,17 @@ def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
 #       caller's sparse counts take them off, as for BCE).
 #   softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad,
 #                    bias_grad, offset=None, fixed_ids=None, fixed_values=None, *,
-#                    plan, num_items, valid_rows=None)
-#       -> (dh [T, D] f32, table_grad, bias_grad)
+#                    plan, num_items, valid_rows=None, with_mass=False)
+#       -> (dh [T, D] f32, table_grad, bias_grad) (+ mass [T] f32 with_mass)
 #       with G_tv = g_t p_tv - o_t, p_tv = exp(x_tv - log_z_t), on those items
 #       (0 elsewhere), g = `scale`, o = `offset` (0 when None), except at the
 #       fixed columns, set as in `backward` (the targets: p - 1 = expm1(x - lse)):
 #       dh = sum_v G_tv e_v; adds sum_t G_tv h_t to table_grad rows (and
-#       sum_t G_tv to bias_grad).
+#       sum_t G_tv to bias_grad). mass = sum_v p_tv over those items but the
+#       fixed columns, from the very exponentials dh was made of (kernel sets
+#       with `SOFTMAX_MASS`): `cutbce.softmax` rescales dh's p part by the
+#       mass the forward says those items hold over it, so the p sum to it
+#       even where exp is inexact (a TPU's float32 exp).
 #
 # `exclude_ids` is int32 [T, E] with -1 (or any id out of range) for "none", or
 # None; `valid_rows` an int32 scalar (traced: a vocab shard's real rows) or None.
@@ -357,6 +361,8 @@ def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
 # The running max starts here, not at -inf: a token whose items are all
 # masked so far keeps row_sum 0 and exp(floor - floor) = 1 scales nothing.
 SOFTMAX_FLOOR = float(jnp.finfo(jnp.float32).min)
+# softmax_backward returns the mass of its p (`with_mass`).
+SOFTMAX_MASS = True
 
 
 def _softmax_mask(exclude_ids, valid_rows, num_tokens: int, start, size: int):
@@ -408,7 +414,8 @@ def softmax_forward(hidden, table, bias, exclude_ids, *, plan: TilePlan | None,
 @functools.partial(jax.named_call, name="cutbce_xla_softmax_backward")
 def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad, bias_grad,
                      offset=None, fixed_ids=None, fixed_values=None, *,
-                     plan: TilePlan | None, num_items: int | None = None, valid_rows=None):
+                     plan: TilePlan | None, num_items: int | None = None, valid_rows=None,
+                     with_mass: bool = False):
   compute_dtype = jnp.result_type(hidden.dtype, table.dtype)
   num_tokens = hidden.shape[0]
   num_items = table.shape[0] if num_items is None else num_items
@@ -416,13 +423,18 @@ def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad,
 
   def step(carry, rows, start, size):
     table, bias = rows
-    hidden_grad, table_grad, bias_grad = carry
+    hidden_grad, table_grad, bias_grad, mass = carry
     table_tile = slice_rows(table, start, size)
     logits = tile_logits(hidden, table_tile, slice_rows(bias, start, size))
     masked = _softmax_mask(exclude_ids, valid_rows, num_tokens, start, size)
     if masked is not None:
       logits = jnp.where(masked, -jnp.inf, logits)
-    logit_grad = scale[:, None] * jnp.exp(logits - log_z[:, None])  # [T, block_v] f32
+    p = jnp.exp(logits - log_z[:, None])  # [T, block_v] f32
+    if with_mass:  # the fixed columns' p are not summed: their gradient is set
+      swept = p if fixed_ids is None else set_columns(
+          p, fixed_ids, jnp.zeros(fixed_ids.shape, p.dtype), start, size)
+      mass = mass + jnp.sum(swept, axis=-1)
+    logit_grad = scale[:, None] * p
     if offset is not None:
       uniform = jnp.broadcast_to(offset[:, None], logit_grad.shape)
       logit_grad = logit_grad - (uniform if masked is None else jnp.where(masked, 0.0, uniform))
@@ -438,7 +450,9 @@ def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad,
     if bias_grad is not None:
       bias_grad = _update_rows(
           bias_grad, slice_rows(bias_grad, start, size) + jnp.sum(logit_grad, axis=0), start)
-    return hidden_grad, table_grad, bias_grad
+    return hidden_grad, table_grad, bias_grad, mass
 
-  init = (jnp.zeros(hidden.shape, jnp.float32), table_grad, bias_grad)
-  return walk_tiles(num_items, plan.block_v, step, init, (table, bias))
+  init = (jnp.zeros(hidden.shape, jnp.float32), table_grad, bias_grad,
+          jnp.zeros((num_tokens,), jnp.float32) if with_mass else None)
+  *grads, mass = walk_tiles(num_items, plan.block_v, step, init, (table, bias))
+  return (*grads, mass) if with_mass else tuple(grads)

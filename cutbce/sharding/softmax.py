@@ -90,9 +90,11 @@ def _backward_map(static: _Static, hidden, table, bias, ids, scale, lse, complem
     global_ids, local_ids = _local_ids(static, ids, offset)
     coeffs = softmax.coefficients(call, global_ids)
     # The complement's columns follow the global targets; a shard sets only its own.
+    total = ((lambda mass: mass) if layout.vocab_axis is None
+             else functools.partial(lax.psum, axis_name=layout.vocab_axis))
     hidden_grad, table_grad, bias_grad = softmax.local_backward(
         call, hidden, table, bias, local_ids, coeffs, lse, complement, scale,
-        valid_rows=real_rows)
+        valid_rows=real_rows, rescale=softmax.Rescale(total, global_ids.target_mask))
     hidden_grad = layout_lib.scatter_tokens(layout, hidden_grad)
     if layout.table_sum_axes:
       table_grad, bias_grad = lax.psum((table_grad, bias_grad), layout.table_sum_axes)

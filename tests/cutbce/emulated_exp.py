@@ -1,6 +1,6 @@
 """Runs `test_precision`'s confident-target check with a TPU-like float32 exp on CPU.
 
-    python -m tests.cutbce.emulated_exp BACKEND AMPLITUDE BIAS
+    python -m tests.cutbce.emulated_exp ROUTE AMPLITUDE BIAS [GRADIENTS [SMOOTHING]]
 
 A TPU v5e's float32 exp is off by up to 68 ulp (8.1e-6 relative), with a mean
 of -6.9 ulp (docs/results/tpu_v5e/float32_functions.log); this machine's is
@@ -8,10 +8,12 @@ within 1 ulp, so the softmax gradient's sensitivity to it cannot show here.
 This script re-registers the CPU lowering of `exp` (in this process only:
 jit caches would otherwise carry it into other tests) as an accurate exp
 built from other primitives, times 1 + AMPLITUDE sin(12345.678 x) + BIAS, a
-deterministic stand-in for the chip's error, then checks BACKEND's softmax
-gradients against the dense reference's under the same exp (the rule of
-`tests/cutbce/test_precision.py`). Exit status 0: the rule holds; 1: it fails
-(the message says where).
+deterministic stand-in for the chip's error, then checks ROUTE's softmax
+gradients ("xla", "pallas_tpu" or "sharded": XLA on a 2 x 2 mesh) against
+the dense reference's under the same exp (the rule of
+`tests/cutbce/test_precision.py`), all of them or those named in GRADIENTS
+("dh,dE,db"), with label smoothing SMOOTHING (default 0). Exit status 0: the
+rule holds; 1: it fails (the message says where).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.interpreters import mlir
+
+from tests.cutbce import np_reference
 
 LN2_HIGH, LN2_LOW = np.float32(0.693145751953125), np.float32(1.4286068203094172e-06)
 
@@ -54,17 +58,26 @@ def emulate_exp(amplitude: float, bias: float) -> None:
   mlir.register_lowering(lax.exp_p, mlir.lower_fun(exp, multiple_results=False), platform="cpu")
 
 
-def main(backend: str, amplitude: float, bias: float) -> int:
+def main(route: str, amplitude: float, bias: float, gradients: str = "dh,dE,db",
+         smoothing: str = "0") -> int:
   emulate_exp(amplitude, bias)
   import cutbce  # pylint: disable=import-outside-toplevel
+  from cutbce.sharding import sharded_cut_softmax_ce  # pylint: disable=import-outside-toplevel
   from tests.cutbce import test_precision as rule  # pylint: disable=import-outside-toplevel
-  fn = functools.partial(cutbce.cut_softmax_ce, backend=backend, plan=rule.PLANS[backend])
-  got = rule._grads(fn, jnp.float32)  # pylint: disable=protected-access
-  dense = rule._dense_grads("softmax", jnp.float32)  # pylint: disable=protected-access
-  oracle = rule._oracle("softmax", jnp.float32)  # pylint: disable=protected-access
+  if route == "sharded":
+    fn = functools.partial(sharded_cut_softmax_ce, mesh=rule._mesh(), token_axes=("data",),  # pylint: disable=protected-access
+                           vocab_axis="model", backend="xla", plan=rule.PLANS["xla"])
+  else:
+    fn = functools.partial(cutbce.cut_softmax_ce, backend=route, plan=rule.PLANS[route])
+  options = {"label_smoothing": float(smoothing)}
+  picked = [name in gradients.split(",") for name in ("dh", "dE", "db")]
+  pick = lambda grads: tuple(g if keep else 0 * g for g, keep in zip(grads, picked))  # noqa: E731
+  got = pick(rule._grads(fn, jnp.float32, **options))  # pylint: disable=protected-access
+  dense = pick(rule._grads(cutbce.dense_softmax_ce, jnp.float32, **options))  # pylint: disable=protected-access
+  oracle = pick(_oracle(rule, options))
   try:
     rule._check_no_worse_than_dense(got, dense, oracle, jnp.float32,  # pylint: disable=protected-access
-                                    f"cut_softmax_ce {backend} under exp x (1 + {amplitude} sin + {bias})")
+                                    f"cut_softmax_ce {route} under exp x (1 + {amplitude} sin + {bias})")
   except AssertionError as error:
     print(str(error).split("\n")[0])
     return 1
@@ -72,5 +85,13 @@ def main(backend: str, amplitude: float, bias: float) -> int:
   return 0
 
 
+def _oracle(rule, options):
+  """float64 (dh, dE, db) of `test_precision`'s float32 inputs."""
+  hidden, table, bias, targets, exclude, weights = (np.asarray(x) for x in rule._inputs(jnp.float32))  # pylint: disable=protected-access
+  _, grads, _ = np_reference.softmax_ce(hidden, table, targets, weights, bias=bias,
+                                        exclude=exclude, num_items=rule.NUM_ITEMS, **options)
+  return grads
+
+
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3])))
+  sys.exit(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), *sys.argv[4:]))
