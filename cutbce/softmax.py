@@ -275,14 +275,17 @@ def local_backward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds
   (the uniform part of label smoothing included, so excluded ids and padding
   get none of it); the targets' columns are set to their whole gradient
   (`target_columns`, from `complement` = 1 - p_tp `[T, L]` of `partition`).
-  With `rescale` and kernels that sum their p (`SOFTMAX_MASS`), dh's p part
-  is rescaled to the mass the forward gives those items (`_rescale_to_mass`).
+  With `rescale`, float32 inputs and kernels that sum their p
+  (`SOFTMAX_MASS`), dh's p part is rescaled to the mass the forward gives
+  those items (`_rescale_to_mass`).
   """
   g = scale.astype(jnp.float32)
   columns = target_columns(call, ids, coeffs, complement, g)
   hidden_grad, table_grad, bias_grad = sparse.rest_grads(hidden, table, bias is not None, columns)
   offset = g * coeffs.uniform if call.label_smoothing else None
-  with_mass = rescale is not None and getattr(call.kernels, "SOFTMAX_MASS", False)
+  # In bfloat16 the tile's cast (2^-9 per entry) dwarfs the p sum's error: float32 only.
+  with_mass = (rescale is not None and getattr(call.kernels, "SOFTMAX_MASS", False)
+               and jnp.result_type(hidden.dtype, table.dtype) == jnp.float32)
   swept = call.kernels.softmax_backward(
       hidden, table, bias, _exclude_or_none(ids), lse, g * coeffs.lse, table_grad, bias_grad,
       offset, columns.fixed_ids, columns.fixed_values, plan=call.plan,

@@ -431,8 +431,11 @@ def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad,
       logits = jnp.where(masked, -jnp.inf, logits)
     p = jnp.exp(logits - log_z[:, None])  # [T, block_v] f32
     if with_mass:  # the fixed columns' p are not summed: their gradient is set
-      swept = p if fixed_ids is None else set_columns(
-          p, fixed_ids, jnp.zeros(fixed_ids.shape, p.dtype), start, size)
+      swept = p
+      if fixed_ids is not None:  # compares, fused with the sum (a scatter costs more)
+        columns = start + jnp.arange(size, dtype=jnp.int32)
+        fixed = jnp.any(columns[None, :, None] == fixed_ids[:, None, :], axis=-1)
+        swept = jnp.where(fixed, 0.0, p)
       mass = mass + jnp.sum(swept, axis=-1)
     logit_grad = scale[:, None] * p
     if offset is not None:

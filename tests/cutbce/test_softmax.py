@@ -278,3 +278,31 @@ def test_any_shape_matches_the_oracle(tokens, dim, vocab, padding, labels, exclu
       np.asarray(weights), np.asarray(bias, np.float64),
       None if exclude is None else np.asarray(exclude), **options)
   _check((value, stats, grads), want, 2e-5, 2e-5)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+def test_the_backward_sums_the_p_of_its_unset_columns(backend):
+  # `with_mass`: sum_v exp(x_tv - lse_t) over the items, not excluded, not fixed.
+  from cutbce import backends  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(3)
+  tokens, vocab, dim, num_items = 21, 300, 16, 290
+  hidden = rng.normal(size=(tokens, dim)).astype(np.float32)
+  table = rng.normal(size=(vocab, dim)).astype(np.float32)
+  bias = rng.normal(size=vocab).astype(np.float32)
+  exclude = rng.integers(-1, vocab, size=(tokens, 3)).astype(np.int32)
+  fixed = rng.integers(-1, num_items, size=(tokens, 2)).astype(np.int32)
+  log_z = rng.normal(size=tokens).astype(np.float32) + 5.0
+  kernels = backends.kernel_module(backend)
+  *_, mass = kernels.softmax_backward(
+      hidden, table, bias, exclude, log_z, np.ones(tokens, np.float32),
+      np.zeros((vocab, dim), np.float32), np.zeros(vocab, np.float32), None, fixed,
+      np.zeros((tokens, 2), np.float32), plan=cutbce.TilePlan(block_v=128, block_t=8,
+                                                              token_chunk=16,
+                                                              vmem_limit_bytes=64 << 20),
+      num_items=num_items, with_mass=True)
+  x = hidden.astype(np.float64) @ table.T.astype(np.float64) + bias
+  swept = np.broadcast_to(np.arange(vocab) < num_items, (tokens, vocab))
+  for ids in (exclude, fixed):
+    swept = swept & ~np.any(np.arange(vocab)[None, :, None] == ids[:, None, :], axis=-1)
+  want = np.sum(np.where(swept, np.exp(x - log_z[:, None]), 0.0), axis=1)
+  np.testing.assert_allclose(np.asarray(mass), want, rtol=2e-6)
