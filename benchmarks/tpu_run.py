@@ -24,7 +24,9 @@ Two commands:
             quality  runs of gpu_run.QUALITY_GRID (--runs), one after the
                      other (one process at a time can hold a TPU);
             functions  benchmarks/float32_functions.py: the chip's float32
-                     exp, log, tanh, ... and products against float64.
+                     exp, log, tanh, ... and products against float64;
+            exclude  benchmarks/exclude_bench.py: the softmax's window
+                     exclusion and its parts, timed on the chip.
             Everything is written under --out; --bundle packs its JSON and
             logs (no checkpoints) into one .tar.gz, since a device call
             returns at most 8 files.
@@ -121,8 +123,15 @@ def cmd_device(args) -> None:
       subprocess.run([sys.executable, "benchmarks/float32_functions.py"], stdout=log,
                      stderr=subprocess.STDOUT, check=True, timeout=300)
 
+  def exclude():
+    with open(out / "exclude_bench.log", "w") as log:
+      subprocess.run([sys.executable, "benchmarks/exclude_bench.py", "--out",
+                      str(out / "exclude_bench.json")], stdout=log, stderr=subprocess.STDOUT,
+                     check=True, timeout=300)
+
   parts = {"environment": lambda: chip("environment"),
            "functions": functions,
+           "exclude": exclude,
            "tests": lambda: gpu_run.part_tests(out, args.tests_s, TPU_TESTS, stop_first=False),
            "loss": lambda: chip("loss"),
            "train": lambda: chip("train"),
@@ -143,7 +152,7 @@ def main() -> None:
   device = commands.add_parser("device", parents=[common])
   device.add_argument("--bundle", default=None, help="also pack --out's JSON and logs here")
   device.add_argument("--parts", nargs="+", default=["tests", "loss", "train"],
-                      choices=["tests", "loss", "train", "quality", "functions"])
+                      choices=["tests", "loss", "train", "quality", "functions", "exclude"])
   device.add_argument("--tests-s", type=int, default=180)
   device.add_argument("--quality-s", type=int, default=480)
   device.add_argument("--runs", nargs="+", default=list(gpu_run.NEXT_RUNS),

@@ -5,6 +5,13 @@
 # PYTHONPATH), then `tpu_run.py device` with the arguments given, writing
 # under /tmp/tpu_run and packing the JSON and logs into $OUT/tpu_run.tar.gz.
 set -u
+# A child of an earlier call on a warm machine that hangs in the TPU runtime's
+# teardown can still hold the chip (a later process then waits in
+# CreateTpuSystemState until cut): stop it first.
+if pkill -f "benchmarks/(tpu_run|exclude_bench|ml1m_quality|float32_functions)\.py"; then
+  echo "stopped a process of an earlier call that still held the chip"
+  sleep 5
+fi
 SITE=/tmp/site
 if [ ! -f "$SITE/.installed" ]; then
   PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps \

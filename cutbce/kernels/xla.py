@@ -365,14 +365,40 @@ SOFTMAX_FLOOR = float(jnp.finfo(jnp.float32).min)
 SOFTMAX_MASS = True
 
 
-def _softmax_mask(exclude_ids, valid_rows, num_tokens: int, start, size: int):
+def excluded_by_scatter(exclude_ids, start, size: int):
+  """`[T, size]` bool: column start + j is one of the token's `[T, E]` ids (a scatter)."""
+  local = exclude_ids - start  # [T, E]
+  local = jnp.where((local >= 0) & (local < size), local, size)  # out of tile: dropped
+  rows = jnp.arange(exclude_ids.shape[0], dtype=jnp.int32)[:, None]
+  return jnp.zeros((exclude_ids.shape[0], size), bool).at[rows, local].set(True, mode="drop")
+
+
+def excluded_by_compare(exclude_ids, start, size: int):
+  """As `excluded_by_scatter`, from E compares per entry reduced in one fusion."""
+  columns = start + jnp.arange(size, dtype=jnp.int32)
+  return jnp.any(exclude_ids[:, None, :] == columns[None, :, None], axis=-1)
+
+
+def excluded_columns(exclude_ids, start, size: int):
+  """`[T, size]` bool: column start + j is one of the token's excluded ids.
+
+  Chosen when the program is lowered (`lax.platform_dependent`): a scatter of
+  the T x E ids where scatters are cheap (CPU, GPU), E compares per entry on
+  a TPU, whose scatter applies its updates one after another (T = 25,600,
+  E = 201, V = 3,416 on a v5e: 489 ms a sweep against 1.8 ms unmasked,
+  `benchmarks/exclude_bench.py`).
+  """
+  return lax.platform_dependent(
+      exclude_ids, jnp.asarray(start, jnp.int32),
+      tpu=lambda ids, first: excluded_by_compare(ids, first, size),
+      default=lambda ids, first: excluded_by_scatter(ids, first, size))
+
+
+def _softmax_mask(exclude_ids, valid_rows, start, size: int):
   """`[T, size]` bool: True where column start + j is not in the token's softmax, or None."""
   masked = None
   if exclude_ids is not None:
-    local = exclude_ids - start  # [T, E]
-    local = jnp.where((local >= 0) & (local < size), local, size)  # out of tile: dropped
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
-    masked = jnp.zeros((num_tokens, size), bool).at[rows, local].set(True, mode="drop")
+    masked = excluded_columns(exclude_ids, start, size)
   if valid_rows is not None:
     past = (start + jnp.arange(size, dtype=jnp.int32) >= valid_rows)[None, :]
     masked = past if masked is None else masked | past
@@ -390,7 +416,7 @@ def softmax_forward(hidden, table, bias, exclude_ids, *, plan: TilePlan | None,
     table, bias = rows
     row_max, row_sum, positive_count = carry
     logits = tile_logits(hidden, slice_rows(table, start, size), slice_rows(bias, start, size))
-    masked = _softmax_mask(exclude_ids, valid_rows, num_tokens, start, size)
+    masked = _softmax_mask(exclude_ids, valid_rows, start, size)
     if with_counts:
       above = logits > 0
       if valid_rows is not None:
@@ -426,7 +452,7 @@ def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad,
     hidden_grad, table_grad, bias_grad, mass = carry
     table_tile = slice_rows(table, start, size)
     logits = tile_logits(hidden, table_tile, slice_rows(bias, start, size))
-    masked = _softmax_mask(exclude_ids, valid_rows, num_tokens, start, size)
+    masked = _softmax_mask(exclude_ids, valid_rows, start, size)
     if masked is not None:
       logits = jnp.where(masked, -jnp.inf, logits)
     p = jnp.exp(logits - log_z[:, None])  # [T, block_v] f32
