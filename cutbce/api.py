@@ -53,6 +53,9 @@ def cut_bce(
     bias: optional `[V]` per-item bias.
     exclude: optional int `[..., E]` ids that are neither positives nor
       negatives for their position (ids that are also targets stay targets).
+      Its leading axes broadcast to hidden's: `[B, 1, E]` gives one row to all
+      N positions of a window (gathered and, on the softmax's XLA path,
+      masked once per row, not per position).
     reduction: "mean" (sum_t w_t l_t / sum_t w_t, 0 when all weights are 0),
       "sum", or "none" (w_t l_t with the leading shape).
     vocab_reduction: "mean" divides l_t by num_items (the Keras convention),
@@ -123,7 +126,7 @@ def cut_bce(
         return_stats=return_stats, num_items=num_items, **options_kwargs(options),
     )
   check_backend_supports(backend, flat, plan)
-  ids = sparse.prepare_ids(flat.targets, flat.exclude, num_items)
+  ids = sparse.prepare_ids(flat.targets, flat.exclude, num_items, flat.exclude_rows)
   call = TiledCall(backend, plan, bool(return_stats), options, num_items)
   if use_one_pass(one_pass, reduction):
     divisor = num_items if vocab_reduction == "mean" else 1

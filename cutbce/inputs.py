@@ -25,7 +25,10 @@ class Flat(NamedTuple):
   Attributes:
     hidden: [T, D]; table: [V, D]; bias: [V] or None;
     targets: [T, L] int; weights: [T] float32; exclude: [T, E] int or None;
-    leading_shape: the caller's leading shape (`[B, N]` usually).
+    leading_shape: the caller's leading shape (`[B, N]` usually);
+    exclude_rows: [G, E] int, the caller's rows when each is shared by T / G
+      consecutive tokens (an exclude of `[B, 1, E]` for hidden `[B, N, D]`:
+      G = B; `exclude` repeats them), else None.
   """
 
   hidden: jax.Array
@@ -35,6 +38,7 @@ class Flat(NamedTuple):
   weights: jax.Array
   exclude: jax.Array | None
   leading_shape: tuple[int, ...]
+  exclude_rows: jax.Array | None = None
 
 
 def _shape(x) -> tuple[int, ...]:
@@ -137,10 +141,12 @@ def flatten_inputs(hidden, table, targets, weights=None, bias=None, exclude=None
   if exclude is not None:
     _check_int("exclude", exclude)
     exclude_shape = _shape(exclude)
-    if len(exclude_shape) != len(hidden_shape) or exclude_shape[:-1] != leading:
+    if (len(exclude_shape) != len(hidden_shape)
+        or any(e not in (1, h) for e, h in zip(exclude_shape[:-1], leading))):
       raise ValueError(
-          f"exclude leading shape {exclude_shape[:-1]} (shape {exclude_shape}) != "
-          f"hidden leading shape {leading}"
+          f"exclude leading shape {exclude_shape[:-1]} (shape {exclude_shape}) does not "
+          f"broadcast to hidden leading shape {leading} (each axis equal, or 1 to share "
+          f"a row of ids among those positions)"
       )
   num_tokens = int(np.prod(leading))
   dim = hidden_shape[-1]
@@ -151,9 +157,30 @@ def flatten_inputs(hidden, table, targets, weights=None, bias=None, exclude=None
   else:
     weights = jax.lax.stop_gradient(jnp.reshape(weights, (num_tokens,)).astype(jnp.float32))
     hidden = jnp.where((weights != 0)[:, None], hidden, jnp.zeros_like(hidden))
+  exclude_rows = None
   if exclude is not None:
-    exclude = jnp.reshape(exclude, (num_tokens, _shape(exclude)[-1]))
-  return Flat(hidden, table, bias, targets, weights, exclude, leading)
+    exclude, exclude_rows = _flat_exclude(exclude, leading)
+  return Flat(hidden, table, bias, targets, weights, exclude, leading, exclude_rows)
+
+
+def _flat_exclude(exclude, leading):
+  """(`[T, E]` ids per token, `[G, E]` rows each shared by T / G consecutive tokens or None).
+
+  Rows are kept apart when `exclude` differs from the tokens' shape only in
+  trailing axes of size 1 (`[B, 1, E]` for `[B, N]` tokens); any other
+  broadcast is only expanded.
+  """
+  width = _shape(exclude)[-1]
+  shape = _shape(exclude)[:-1]
+  shared = 0  # trailing axes of size 1 where the tokens have more
+  while shared < len(shape) and shape[len(shape) - 1 - shared] == 1:
+    shared += 1
+  kept = len(shape) - shared
+  num_tokens = int(np.prod(leading))
+  if shape[:kept] == tuple(leading[:kept]) and int(np.prod(leading[kept:])) > 1:
+    rows = jnp.reshape(exclude, (int(np.prod(shape)), width))
+    return jnp.repeat(rows, num_tokens // rows.shape[0], axis=0), rows
+  return jnp.reshape(jnp.broadcast_to(exclude, (*leading, width)), (num_tokens, width)), None
 
 
 def reduce_losses(per_token, flat: Flat, reduction: str, vocab_reduction: str,

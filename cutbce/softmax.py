@@ -46,6 +46,7 @@ import jax.numpy as jnp
 
 from cutbce import backends, inputs, reference, sparse
 from cutbce.kernels import matmul
+from cutbce.kernels import xla as xla_kernels
 from cutbce.kernels.tiling import TilePlan
 
 TARGET_REDUCTIONS = ("sum", "mean")
@@ -109,6 +110,16 @@ def coefficients(call: SoftmaxCall, global_ids: sparse.SparseIds) -> Coefficient
   return Coefficients(k, (1.0 - call.label_smoothing) * r, uniform)
 
 
+def _shared_rows(call: SoftmaxCall, ids: sparse.SparseIds) -> bool:
+  """Whether the sweep masks the excluded ids per shared row (`xla.SharedExclude`).
+
+  The XLA kernels only, which leave every target out of the forward's sums
+  and set every target's column in the backward: a target among its row's
+  ids is then masked to no effect.
+  """
+  return ids.exclude_rows is not None and call.backend == "xla"
+
+
 def _exclude_or_none(ids: sparse.SparseIds):
   """`[T, E]` int32 excluded ids with -1 where there is none (the kernels' form), or None."""
   if ids.exclude_ids is None:
@@ -153,11 +164,15 @@ def separated_targets(call: SoftmaxCall, ids: sparse.SparseIds) -> int:
 
 def _sum_exclude(call: SoftmaxCall, ids: sparse.SparseIds):
   """The forward sweep's masked ids: the excluded ids and the separated targets, or None."""
-  excluded = _exclude_or_none(ids)
   count = separated_targets(call, ids)
-  if not count:
+  targets = None
+  if count:
+    targets = jnp.where(ids.target_mask[:, :count], ids.target_ids[:, :count], -1)
+  if _shared_rows(call, ids):
+    return xla_kernels.SharedExclude(ids.exclude_rows, targets)
+  excluded = _exclude_or_none(ids)
+  if targets is None:
     return excluded
-  targets = jnp.where(ids.target_mask[:, :count], ids.target_ids[:, :count], -1)
   return targets if excluded is None else jnp.concatenate([excluded, targets], axis=-1)
 
 
@@ -286,8 +301,10 @@ def local_backward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds
   # In bfloat16 the tile's cast (2^-9 per entry) dwarfs the p sum's error: float32 only.
   with_mass = (rescale is not None and getattr(call.kernels, "SOFTMAX_MASS", False)
                and jnp.result_type(hidden.dtype, table.dtype) == jnp.float32)
+  excluded = (xla_kernels.SharedExclude(ids.exclude_rows) if _shared_rows(call, ids)
+              else _exclude_or_none(ids))
   swept = call.kernels.softmax_backward(
-      hidden, table, bias, _exclude_or_none(ids), lse, g * coeffs.lse, table_grad, bias_grad,
+      hidden, table, bias, excluded, lse, g * coeffs.lse, table_grad, bias_grad,
       offset, columns.fixed_ids, columns.fixed_values, plan=call.plan,
       num_items=call.num_items, valid_rows=valid_rows, **({"with_mass": True} if with_mass else {}))
   dense_hidden_grad, table_grad, bias_grad = swept[:3]
@@ -296,13 +313,6 @@ def local_backward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds
         call, table, ids, complement, columns, g * coeffs.uniform, dense_hidden_grad,
         rescale.total(swept[3]), rescale.target_mask, valid_rows)
   return hidden_grad + dense_hidden_grad, table_grad, bias_grad
-
-
-def _row_combination(table, ids, weights):
-  """sum_k w_tk e_{ids_tk} `[T, D]` f32 from `[T, K]` ids (< 0: none) and weights."""
-  rows = jnp.take(table, jnp.maximum(ids, 0), axis=0).astype(jnp.float32)  # [T, K, D]
-  return jnp.einsum("tk,tkd->td", jnp.where(ids >= 0, weights, 0.0), rows,
-                    precision=matmul.precision(jnp.float32))
 
 
 def _rescale_to_mass(call: SoftmaxCall, table, ids: sparse.SparseIds, complement,
@@ -328,14 +338,14 @@ def _rescale_to_mass(call: SoftmaxCall, table, ids: sparse.SparseIds, complement
   p_part = hidden_grad
   count = 0
   if fixed is not None:
-    p_part = p_part - _row_combination(table, fixed, columns.fixed_values)
+    p_part = p_part - sparse.combine_rows(table, fixed, columns.fixed_values)
     count = fixed.shape[-1]
   if call.label_smoothing:  # -o_t on every swept column: items, not excluded, not fixed
     swept_rows, _ = _item_sums(table, None, _item_rows(table, call.num_items, valid_rows))
     swept_rows = jnp.broadcast_to(swept_rows, hidden_grad.shape)
     for skipped in (_exclude_or_none(ids), fixed):
       if skipped is not None:
-        swept_rows = swept_rows - _row_combination(table, skipped, jnp.ones(skipped.shape))
+        swept_rows = swept_rows - sparse.combine_rows(table, skipped, jnp.ones(skipped.shape))
     p_part = p_part + offset[:, None] * swept_rows
   # want = 1 - sum_p p_tp over the fixed targets = sum_p (1 - p_tp) - (n - 1):
   # exactly 1 - p for one target, however close p is to 1.
@@ -511,7 +521,7 @@ def cut_softmax_ce(hidden, table, targets, weights=None, *, bias=None, exclude=N
         hidden, table, targets, weights, bias=bias, exclude=exclude, num_items=num_items,
         reduction=reduction, label_smoothing=label_smoothing,
         target_reduction=target_reduction, return_stats=return_stats)
-  ids = sparse.prepare_ids(flat.targets, flat.exclude, num_items)
+  ids = sparse.prepare_ids(flat.targets, flat.exclude, num_items, flat.exclude_rows)
   call = SoftmaxCall(backend, plan, bool(return_stats), label_smoothing, target_reduction,
                      num_items, num_items)
   per_token, counts = _per_token(call, flat.hidden, flat.table, flat.bias, ids)

@@ -38,12 +38,17 @@ class SparseIds(NamedTuple):
     target_mask: [T, L] bool, valid and the first occurrence in its row.
     exclude_ids: [T, E] int32 clipped into [0, V), or None.
     exclude_mask: [T, E] bool, valid, first occurrence, and not a target; or None.
+    exclude_rows: [G, E] int32 when each row of ids is shared by T / G
+      consecutive tokens (`inputs.Flat.exclude_rows`): the valid ids, first
+      occurrences, targets among them (-1 elsewhere), column for column as in
+      each of its tokens' `exclude_ids`; else None.
   """
 
   target_ids: jax.Array
   target_mask: jax.Array
   exclude_ids: jax.Array | None
   exclude_mask: jax.Array | None
+  exclude_rows: jax.Array | None = None
 
 
 def _first_occurrence(ids: jax.Array, valid: jax.Array) -> jax.Array:
@@ -74,25 +79,42 @@ def valid_ids(ids: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
   return jnp.where(valid, ids, -1).astype(jnp.int32), valid
 
 
-def prepare_ids(targets: jax.Array, exclude: jax.Array | None, vocab: int) -> SparseIds:
-  """Masks and clips the `[T, L]` targets and `[T, E]` exclude ids for `vocab` items."""
+def _unique_ids(exclude, vocab: int):
+  """(ids, bool keep): valid and the first of their row; sorted when rows are wide."""
+  exclude, exclude_valid = valid_ids(exclude, vocab)
+  if exclude.shape[-1] <= 32:
+    return exclude, _first_occurrence(exclude, exclude_valid)
+  return _first_occurrence_sorted(exclude, exclude_valid)
+
+
+def prepare_ids(targets: jax.Array, exclude: jax.Array | None, vocab: int,
+                exclude_rows: jax.Array | None = None) -> SparseIds:
+  """Masks and clips the `[T, L]` targets and `[T, E]` exclude ids for `vocab` items.
+
+  With `exclude_rows` (`[G, E]`, each shared by T / G consecutive tokens;
+  `exclude`, their repetition per token, is then not read), the rows are
+  deduplicated once and `SparseIds.exclude_rows` keeps them.
+  """
   targets, target_valid = valid_ids(targets, vocab)
   target_mask = _first_occurrence(targets, target_valid)
   target_ids = jnp.where(target_valid, targets, 0)
-  if exclude is None:
+  if exclude is None and exclude_rows is None:
     return SparseIds(target_ids, target_mask, None, None)
-  exclude, exclude_valid = valid_ids(exclude, vocab)
-  if exclude.shape[-1] <= 32:
-    keep = _first_occurrence(exclude, exclude_valid)
+  rows = None
+  if exclude_rows is None:
+    exclude, keep = _unique_ids(exclude, vocab)
   else:
-    exclude, keep = _first_occurrence_sorted(exclude, exclude_valid)
+    rows, row_keep = _unique_ids(exclude_rows, vocab)
+    group = targets.shape[0] // rows.shape[0]
+    exclude, keep = jnp.repeat(rows, group, axis=0), jnp.repeat(row_keep, group, axis=0)
+    rows = jnp.where(row_keep, rows, -1)
   # Ids that are also targets stay targets: drop them from the excluded set.
   is_target = jnp.any(
       (exclude[:, :, None] == targets[:, None, :]) & target_mask[:, None, :], axis=-1
   )  # [T, E]
   exclude_mask = keep & ~is_target
   exclude_ids = jnp.where(exclude_mask, exclude, 0)
-  return SparseIds(target_ids, target_mask, exclude_ids, exclude_mask)
+  return SparseIds(target_ids, target_mask, exclude_ids, exclude_mask, rows)
 
 
 def gather_logits(hidden, table, bias, ids):
@@ -123,10 +145,29 @@ class SparseLogits(NamedTuple):
   exclude: jax.Array | None
 
 
+def shared_row_logits(hidden, table, bias, rows):
+  """`gather_logits` for `[G, K]` ids each shared by T / G consecutive tokens: `[T, K]`.
+
+  A batched product per row (`[T / G, D] x [D, K]`): the `[G, K, D]` rows are
+  gathered once, not once per token. Ids < 0 give garbage (mask them).
+  """
+  num_rows, width = rows.shape
+  group = hidden.shape[0] // num_rows
+  gathered = jnp.take(table, jnp.maximum(rows, 0), axis=0).astype(jnp.float32)  # [G, K, D]
+  tokens = hidden.astype(jnp.float32).reshape(num_rows, group, hidden.shape[-1])
+  logits = jnp.einsum("gnd,gkd->gnk", tokens, gathered, preferred_element_type=jnp.float32,
+                      precision=matmul.precision(jnp.float32))
+  if bias is not None:
+    logits = logits + jnp.take(bias, jnp.maximum(rows, 0), axis=0).astype(jnp.float32)[:, None]
+  return logits.reshape(num_rows * group, width)
+
+
 def sparse_logits(hidden, table, bias, ids: SparseIds) -> SparseLogits:
   target = gather_logits(hidden, table, bias, ids.target_ids)
   exclude = None
-  if ids.exclude_ids is not None:
+  if ids.exclude_rows is not None:
+    exclude = shared_row_logits(hidden, table, bias, ids.exclude_rows)
+  elif ids.exclude_ids is not None:
     exclude = gather_logits(hidden, table, bias, ids.exclude_ids)
   return SparseLogits(target, exclude)
 
@@ -217,6 +258,13 @@ def logit_cotangents(ids: SparseIds, logits: SparseLogits, scale: jax.Array,
   return all_ids, coefficients
 
 
+def combine_rows(table, ids, weights):
+  """sum_k w_tk e_{ids_tk} `[T, D]` float32 from `[T, K]` ids (< 0: none) and weights."""
+  rows = jnp.take(table, jnp.maximum(ids, 0), axis=0).astype(jnp.float32)  # [T, K, D]
+  return jnp.einsum("tk,tkd->td", jnp.where(ids >= 0, weights, 0.0), rows,
+                    preferred_element_type=jnp.float32, precision=matmul.precision(jnp.float32))
+
+
 def sparse_grads(hidden, table, has_bias: bool, all_ids, coefficients):
   """Sparse gradient parts, all float32.
 
@@ -224,11 +272,7 @@ def sparse_grads(hidden, table, has_bias: bool, all_ids, coefficients):
     dh [T, D] = sum_k c_tk e_{id_tk}; dE [V, D] with c_tk h_t scattered into
     row id_tk; db [V] with c_tk scattered into id_tk (None without bias).
   """
-  rows = jnp.take(table, all_ids, axis=0)  # [T, K, D]
-  dh = jnp.einsum(
-      "tk,tkd->td", coefficients, rows.astype(jnp.float32),
-      preferred_element_type=jnp.float32, precision=matmul.precision(jnp.float32),
-  )
+  dh = combine_rows(table, all_ids, coefficients)
   contributions = coefficients[:, :, None] * hidden.astype(jnp.float32)[:, None, :]
   dtable = jnp.zeros(table.shape, jnp.float32).at[all_ids].add(contributions)
   dbias = None

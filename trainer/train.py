@@ -27,9 +27,8 @@ gathered whole).
 
 With `config.loss.exclude="window"`, every position's negatives leave out the
 items of its own training window (`window_exclude`): the ids are passed to
-the op as `exclude` (targets stay targets), which costs a gather of E = N + L
-table rows per position (T x E x D values in the forward and the same in
-the backward's scatter), no pass over the catalog.
+the op as `exclude` of `[B, 1, E]`, one row of E = N + L ids shared by the
+window's positions (targets stay targets), no pass over the catalog.
 
 Dropout keys are `fold_in(key(seed), step)`, so the state holds no random
 state and a resumed run draws exactly the masks of an uninterrupted one;
@@ -224,17 +223,18 @@ EXCLUDE_CHOICES = ("none", "window")
 
 
 def window_exclude(inputs, targets, num_items: int):
-  """int32 `[B, N, N + L]`: every item of a training window, for each of its positions.
+  """int32 `[B, 1, N + L]`: every item of a training window, one row its N positions share.
 
   A window's items are its inputs and the last position's targets (the inputs
   shifted by one, plus the L - 1 items after the window); padding (inputs
   equal to V, targets -1) becomes -1. Passed as `exclude`, the user's own
   window items are neither positives nor negatives, except each position's
-  own targets, which stay targets (the op's contract).
+  own targets, which stay targets (the op's contract). One row per window,
+  not per position: the op then gathers and masks per window (N times less
+  work on the softmax's XLA path).
   """
   inputs = jnp.where(inputs < num_items, inputs, -1)
-  items = jnp.concatenate([inputs, targets[:, -1, :]], axis=-1)  # [B, N + L]
-  return jnp.broadcast_to(items[:, None, :], (*inputs.shape, items.shape[-1]))
+  return jnp.concatenate([inputs, targets[:, -1, :]], axis=-1)[:, None, :]  # [B, 1, N + L]
 
 
 def _loss_and_stats(params, graphdef, batch, dropout_key, settings: StepSettings,

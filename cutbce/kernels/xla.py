@@ -53,6 +53,7 @@ phi = `variants.tile_value(options, .)` the per-logit term a tile sums
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -356,7 +357,9 @@ def default_plan(kernel: str, num_tokens: int, vocab: int, dim: int, dtype,
 #       even where exp is inexact (a TPU's float32 exp).
 #
 # `exclude_ids` is int32 [T, E] with -1 (or any id out of range) for "none", or
-# None; `valid_rows` an int32 scalar (traced: a vocab shard's real rows) or None.
+# None; here also a `SharedExclude` (rows shared by consecutive tokens: the
+# mask is marked per row, not per token). `valid_rows` an int32 scalar
+# (traced: a vocab shard's real rows) or None.
 
 # The running max starts here, not at -inf: a token whose items are all
 # masked so far keeps row_sum 0 and exp(floor - floor) = 1 scales nothing.
@@ -394,10 +397,33 @@ def excluded_columns(exclude_ids, start, size: int):
       default=lambda ids, first: excluded_by_scatter(ids, first, size))
 
 
-def _softmax_mask(exclude_ids, valid_rows, start, size: int):
-  """`[T, size]` bool: True where column start + j is not in the token's softmax, or None."""
+class SharedExclude(NamedTuple):
+  """The softmax kernels' excluded ids as rows shared by consecutive tokens.
+
+  Attributes:
+    rows: `[G, E]` int32, row g excluded for tokens g T/G ... (g + 1) T/G - 1
+      (-1: none); each tile marks G rows, not T.
+    tokens: `[T, K]` int32 each token's own excluded ids (-1: none), or None.
+  """
+
+  rows: jax.Array
+  tokens: jax.Array | None = None
+
+
+def _softmax_mask(exclude_ids, valid_rows, num_tokens: int, start, size: int):
+  """`[T, size]` bool: True where column start + j is not in the token's softmax, or None.
+
+  `exclude_ids`: `[T, E]` int32 (-1: none), a `SharedExclude`, or None.
+  """
   masked = None
-  if exclude_ids is not None:
+  if isinstance(exclude_ids, SharedExclude):
+    rows = excluded_columns(exclude_ids.rows, start, size)  # [G, size]
+    group = num_tokens // rows.shape[0]
+    masked = jnp.broadcast_to(rows[:, None, :], (rows.shape[0], group, size)).reshape(
+        num_tokens, size)
+    if exclude_ids.tokens is not None:
+      masked = masked | excluded_columns(exclude_ids.tokens, start, size)
+  elif exclude_ids is not None:
     masked = excluded_columns(exclude_ids, start, size)
   if valid_rows is not None:
     past = (start + jnp.arange(size, dtype=jnp.int32) >= valid_rows)[None, :]
@@ -416,7 +442,7 @@ def softmax_forward(hidden, table, bias, exclude_ids, *, plan: TilePlan | None,
     table, bias = rows
     row_max, row_sum, positive_count = carry
     logits = tile_logits(hidden, slice_rows(table, start, size), slice_rows(bias, start, size))
-    masked = _softmax_mask(exclude_ids, valid_rows, start, size)
+    masked = _softmax_mask(exclude_ids, valid_rows, num_tokens, start, size)
     if with_counts:
       above = logits > 0
       if valid_rows is not None:
@@ -452,7 +478,7 @@ def softmax_backward(hidden, table, bias, exclude_ids, log_z, scale, table_grad,
     hidden_grad, table_grad, bias_grad, mass = carry
     table_tile = slice_rows(table, start, size)
     logits = tile_logits(hidden, table_tile, slice_rows(bias, start, size))
-    masked = _softmax_mask(exclude_ids, valid_rows, start, size)
+    masked = _softmax_mask(exclude_ids, valid_rows, num_tokens, start, size)
     if masked is not None:
       logits = jnp.where(masked, -jnp.inf, logits)
     p = jnp.exp(logits - log_z[:, None])  # [T, block_v] f32

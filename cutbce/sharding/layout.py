@@ -164,10 +164,8 @@ def place(layout: Layout, x, spec: P):
   in_specs, so `x` is resharded (a no-op when it is already there); on an
   auto mesh shard_map reshards by itself.
   """
-  if x is None:
-    return None
   if all(t == AxisType.Explicit for t in layout.mesh.axis_types):
-    return jax.reshard(x, NamedSharding(layout.mesh, spec))
+    return jax.tree.map(lambda leaf: jax.reshard(leaf, NamedSharding(layout.mesh, spec)), x)
   return x
 
 
@@ -181,7 +179,7 @@ def gather_tokens(layout: Layout, *arrays):
   if not layout.gathers_tokens:
     return arrays
   return tuple(
-      None if x is None else lax.all_gather(x, layout.vocab_axis, axis=0, tiled=True)
+      jax.tree.map(lambda leaf: lax.all_gather(leaf, layout.vocab_axis, axis=0, tiled=True), x)
       for x in arrays
   )
 
@@ -273,4 +271,8 @@ def rebase_ids(global_ids: sparse.SparseIds, offset, rows: int) -> sparse.Sparse
 
   target_ids, target_mask = rebase(global_ids.target_ids, global_ids.target_mask)
   exclude_ids, exclude_mask = rebase(global_ids.exclude_ids, global_ids.exclude_mask)
-  return sparse.SparseIds(target_ids, target_mask, exclude_ids, exclude_mask)
+  exclude_rows = global_ids.exclude_rows
+  if exclude_rows is not None:  # -1 for none, as in sparse.prepare_ids
+    local_rows, owned = rebase(exclude_rows, exclude_rows >= 0)
+    exclude_rows = jnp.where(owned, local_rows, -1)
+  return sparse.SparseIds(target_ids, target_mask, exclude_ids, exclude_mask, exclude_rows)

@@ -53,9 +53,15 @@ class _Static(NamedTuple):
   num_targets: int  # L: the packed ids are [T, L + E].
 
 
-def _pack_ids(targets, exclude):
-  """`[T, L]` targets and `[T, E]` exclude -> one int32 `[T, L + E]` (one gather)."""
+def _pack_ids(targets, exclude, exclude_rows=None):
+  """`[T, L]` targets and `[T, E]` exclude -> one int32 `[T, L + E]` (one gather).
+
+  With `exclude_rows` (`[G, E]`, each shared by T / G consecutive tokens),
+  `(targets, rows)` instead: the rows travel apart, `exclude` is not needed.
+  """
   targets = targets.astype(jnp.int32)
+  if exclude_rows is not None:
+    return targets, exclude_rows.astype(jnp.int32)
   if exclude is None:
     return targets
   return jnp.concatenate([targets, exclude.astype(jnp.int32)], axis=-1)
@@ -63,9 +69,10 @@ def _pack_ids(targets, exclude):
 
 def _local_ids(static: _Static, ids, offset):
   """Packed global ids -> (global `SparseIds`, `SparseIds` into this shard)."""
+  ids, rows = ids if isinstance(ids, tuple) else (ids, None)
   targets, exclude = layout_lib.split_ids(ids, static.num_targets)
   # Dedup and "exclude minus targets" need the global ids: decide, then rebase.
-  global_ids = sparse.prepare_ids(targets, exclude, static.layout.num_items)
+  global_ids = sparse.prepare_ids(targets, exclude, static.layout.num_items, rows)
   return global_ids, layout_lib.rebase_ids(global_ids, offset, static.layout.rows_per_shard)
 
 

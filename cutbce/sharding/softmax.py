@@ -185,7 +185,7 @@ def sharded_cut_softmax_ce(
                              target_reduction, layout.rows_per_shard, num_items)
   static = _Static(layout=layout, call=call, num_targets=flat.targets.shape[-1])
   args = _prepare(layout, flat.hidden, flat.table, flat.bias,
-                  _pack_ids(flat.targets, flat.exclude))
+                  _pack_ids(flat.targets, flat.exclude, flat.exclude_rows))
   per_token, counts = _sharded_ce(static, *args)
   loss = inputs.reduce_weighted(per_token, flat.weights, reduction, 1, flat.leading_shape)
   if not return_stats:

@@ -341,6 +341,12 @@ MEGACORE_SWEEPS = [(517, 128), (640, 128), (1000, 256), (100, 128)]
 @pytest.mark.parametrize("vocab,block_v", MEGACORE_SWEEPS)
 def test_megacore_backward_splits_the_vocabulary_and_matches_float64(vocab, block_v):
   # T = 39 in chunks of 16 (16, 16, 7): no shape divides a tile.
+  if jax.default_backend() == "tpu" and tiling.tensor_cores() == 1:
+    # The attached chip wins over the one named: nothing is split, and what is
+    # left is a one-core float32 run against float64 at 1e-5, which the chip's
+    # float32 functions do not keep (docs/results.md; the precision tests
+    # hold it to the dense reference instead).
+    pytest.skip("the attached TPU has one TensorCore: no split to test")
   rng = np.random.default_rng(vocab)
   tokens, dim = 39, 128
   hidden = jnp.asarray(rng.normal(size=(tokens, dim)) * 0.1, jnp.float32)
@@ -356,9 +362,7 @@ def test_megacore_backward_splits_the_vocabulary_and_matches_float64(vocab, bloc
   want = _float64_backward(*args)
   with tiling.target_chip("v5p"):  # two TensorCores per device: the sweep is split
     geom = tpu._geometry(plan, hidden, table, "backward")  # pylint: disable=protected-access
-    # An attached TPU wins over the chip named (one TensorCore on a v5e: one sweep).
-    assert geom.cores == (tiling.tensor_cores() if -(-vocab // block_v) > 1 else 1), geom
-    assert jax.default_backend() == "tpu" or tiling.tensor_cores() == 2
+    assert geom.cores == (2 if -(-vocab // block_v) > 1 else 1), geom
     one_pass = jax.jit(lambda *a: tpu.forward_backward(*a, plan=plan, with_counts=True))(*args)
     grads = jax.jit(lambda *a: tpu.backward(*a, plan=plan))(*args)
   dense_sum, counts, *got = one_pass
