@@ -77,7 +77,8 @@ def main(route: str, amplitude: float, bias: float, gradients: str = "dh,dE,db",
   oracle = pick(_oracle(rule, options))
   try:
     rule._check_no_worse_than_dense(got, dense, oracle, jnp.float32,  # pylint: disable=protected-access
-                                    f"cut_softmax_ce {route} under exp x (1 + {amplitude} sin + {bias})")
+                                    f"cut_softmax_ce {route} under exp x (1 + {amplitude} sin + {bias})",
+                                    rule.softmax_db_scale(rule._inputs(jnp.float32), **options))  # pylint: disable=protected-access
   except AssertionError as error:
     print(str(error).split("\n")[0])
     return 1

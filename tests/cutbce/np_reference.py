@@ -157,6 +157,19 @@ def softmax_ce(hidden, table, targets, weights=None, bias=None, exclude=None, nu
   ((k, r) = (n_t, 1) summing over targets, (1, 1/n_t) averaging); its
   gradient in x_tv is k p_tv - q_tv.
   """
+  total, d_logits, counts = softmax_logit_grads(
+      hidden, table, targets, weights, bias, exclude, num_items, reduction, label_smoothing,
+      target_reduction)
+  h = np.asarray(hidden, np.float64).reshape(-1, np.shape(hidden)[-1])
+  e = np.asarray(table, np.float64)
+  grads = (d_logits @ e).reshape(np.shape(hidden)), d_logits.T @ h, d_logits.sum(0)
+  return total, grads, counts
+
+
+def softmax_logit_grads(hidden, table, targets, weights=None, bias=None, exclude=None,
+                        num_items=None, reduction="mean", label_smoothing=0.0,
+                        target_reduction="sum"):
+  """(loss, `[T, V]` float64 gradient in the logits, counts) of `softmax_ce`."""
   h = np.asarray(hidden, np.float64).reshape(-1, np.shape(hidden)[-1])
   e = np.asarray(table, np.float64)
   vocab = e.shape[0]
@@ -194,5 +207,4 @@ def softmax_ce(hidden, table, targets, weights=None, bias=None, exclude=None, nu
   if reduction == "mean":
     scale = 1.0 / w.sum() if w.sum() else 0.0
     total, d_logits = total * scale, d_logits * scale
-  grads = (d_logits @ e).reshape(np.shape(hidden)), d_logits.T @ h, d_logits.sum(0)
-  return total, grads, counts
+  return total, d_logits, counts

@@ -62,8 +62,9 @@ def test_dE_and_db_keep_the_rule_under_a_tpu_like_exp(route):
   _check_rule(route, *TPU_LIKE, gradients="dE,db")
 
 
-@pytest.mark.xfail(strict=True, raises=RuleBroken,
-                   reason="db with label smoothing: k p - u cancels, and each token's p "
-                          "carries its lse's rounding; found here, not fixed yet")
-def test_db_with_label_smoothing_keeps_the_rule_under_an_exact_exp():
-  _check_rule("xla", 0.0, 0.0, gradients="db", smoothing=0.1)
+@pytest.mark.parametrize("route", ["xla", "sharded"])
+def test_db_with_label_smoothing_keeps_the_rule_under_an_exact_exp(route):
+  # k p - u cancels on some items: db is measured against sum_t |G_tv|, the
+  # size of its terms (`test_precision.softmax_db_scale`); against |db_v|
+  # alone the cut's 8.9e-5 on one item stood beside dense's 1e-4 on another.
+  _check_rule(route, 0.0, 0.0, gradients="db", smoothing=0.1)
