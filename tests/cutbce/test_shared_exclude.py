@@ -68,12 +68,19 @@ def _expanded(rows):
   return jnp.broadcast_to(rows, (rows.shape[0], N, rows.shape[-1]))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("backend", ["xla", "dense", "pallas_tpu"])
-@pytest.mark.parametrize("kind,options", [
-    ("softmax", {}), ("softmax", {"label_smoothing": 0.1, "num_items": 97}),
-    ("bce", {}), ("bce", {"num_items": 97, "pos_weight": 2.0})])
-def test_a_shared_row_equals_the_row_repeated_for_every_position(dtype, backend, kind, options):
+SMOOTHED = {"label_smoothing": 0.1, "num_items": 97}
+VARIANT = {"num_items": 97, "pos_weight": 2.0}
+SHARED_CASES = [  # (backend, dtype, kind, options): every backend, both dtypes, both losses
+    ("xla", jnp.float32, "softmax", {}), ("xla", jnp.float32, "softmax", SMOOTHED),
+    ("xla", jnp.bfloat16, "softmax", SMOOTHED), ("xla", jnp.float32, "bce", VARIANT),
+    ("xla", jnp.bfloat16, "bce", {}), ("dense", jnp.float32, "softmax", SMOOTHED),
+    ("dense", jnp.float32, "bce", VARIANT), ("pallas_tpu", jnp.float32, "softmax", SMOOTHED),
+    ("pallas_tpu", jnp.bfloat16, "softmax", {}), ("pallas_tpu", jnp.float32, "bce", VARIANT),
+]
+
+
+@pytest.mark.parametrize("backend,dtype,kind,options", SHARED_CASES)
+def test_a_shared_row_equals_the_row_repeated_for_every_position(backend, dtype, kind, options):
   x = _inputs(dtype)
   loss = cutbce.cut_softmax_ce if kind == "softmax" else cutbce.cut_bce
   kwargs = dict(backend=backend, **options)
