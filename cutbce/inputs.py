@@ -108,6 +108,19 @@ def check_hidden_and_table(hidden, table) -> None:
     )
 
 
+def check_exclude(exclude, hidden_shape) -> None:
+  """Integer ids `[..., E]` whose leading axes broadcast to hidden's (each equal, or 1)."""
+  _check_int("exclude", exclude)
+  exclude_shape, leading = _shape(exclude), tuple(hidden_shape[:-1])
+  if (len(exclude_shape) != len(hidden_shape)
+      or any(e not in (1, h) for e, h in zip(exclude_shape[:-1], leading))):
+    raise ValueError(
+        f"exclude leading shape {exclude_shape[:-1]} (shape {exclude_shape}) does not "
+        f"broadcast to hidden leading shape {leading} (each axis equal, or 1 to share "
+        f"a row of ids among those positions)"
+    )
+
+
 def flatten_inputs(hidden, table, targets, weights=None, bias=None, exclude=None) -> Flat:
   """Checks shapes and dtypes, flattens leading dims to T tokens.
 
@@ -139,15 +152,7 @@ def flatten_inputs(hidden, table, targets, weights=None, bias=None, exclude=None
     if _shape(bias) != table_shape[:1]:
       raise ValueError(f"bias must have shape [V]=({table_shape[0]},), got {_shape(bias)}")
   if exclude is not None:
-    _check_int("exclude", exclude)
-    exclude_shape = _shape(exclude)
-    if (len(exclude_shape) != len(hidden_shape)
-        or any(e not in (1, h) for e, h in zip(exclude_shape[:-1], leading))):
-      raise ValueError(
-          f"exclude leading shape {exclude_shape[:-1]} (shape {exclude_shape}) does not "
-          f"broadcast to hidden leading shape {leading} (each axis equal, or 1 to share "
-          f"a row of ids among those positions)"
-      )
+    check_exclude(exclude, hidden_shape)
   num_tokens = int(np.prod(leading))
   dim = hidden_shape[-1]
   hidden = jnp.reshape(hidden, (num_tokens, dim))
@@ -159,11 +164,11 @@ def flatten_inputs(hidden, table, targets, weights=None, bias=None, exclude=None
     hidden = jnp.where((weights != 0)[:, None], hidden, jnp.zeros_like(hidden))
   exclude_rows = None
   if exclude is not None:
-    exclude, exclude_rows = _flat_exclude(exclude, leading)
+    exclude, exclude_rows = flat_exclude(exclude, leading)
   return Flat(hidden, table, bias, targets, weights, exclude, leading, exclude_rows)
 
 
-def _flat_exclude(exclude, leading):
+def flat_exclude(exclude, leading):
   """(`[T, E]` ids per token, `[G, E]` rows each shared by T / G consecutive tokens or None).
 
   Rows are kept apart when `exclude` differs from the tokens' shape only in

@@ -150,14 +150,8 @@ def check_args(hidden, table, k, *, bias, exclude, num_items, logit_soft_cap) ->
       raise ValueError(f"bias must have shape [V]=({vocab},), got {tuple(np.shape(bias))}")
   num_exclude = 0
   if exclude is not None:
-    inputs._check_int("exclude", exclude)  # pylint: disable=protected-access
-    exclude_shape = tuple(np.shape(exclude))
-    if len(exclude_shape) != len(hidden_shape) or exclude_shape[:-1] != leading:
-      raise ValueError(
-          f"exclude leading shape {exclude_shape[:-1]} (shape {exclude_shape}) != "
-          f"hidden leading shape {leading}"
-      )
-    num_exclude = exclude_shape[-1]
+    inputs.check_exclude(exclude, hidden_shape)
+    num_exclude = np.shape(exclude)[-1]
   num_items = inputs.check_num_items(num_items, vocab)
   k = check_k(k, num_items, num_exclude)
   soft_cap = variants.make_options(logit_soft_cap=logit_soft_cap).logit_soft_cap
@@ -169,7 +163,11 @@ def check_args(hidden, table, k, *, bias, exclude, num_items, logit_soft_cap) ->
   if exclude is not None:
     # Ids outside [0, num_items) become -1 (checked in their own integer type,
     # so no wide id wraps into range on the int32 cast) and match no candidate.
-    exclude, _ = sparse.valid_ids(np.reshape(exclude, (num_tokens, num_exclude)), num_items)
+    # NumPy ids keep their own integer type until `valid_ids` has checked them.
+    xp = np if isinstance(exclude, np.ndarray) else jnp
+    exclude = xp.reshape(xp.broadcast_to(exclude, (*leading, num_exclude)),
+                         (num_tokens, num_exclude))
+    exclude, _ = sparse.valid_ids(exclude, num_items)
   spec = TopKSpec(k=k, num_items=num_items, num_exclude=num_exclude, soft_cap=soft_cap)
   return TopKArgs(hidden, table, bias, exclude, leading, spec)
 

@@ -126,6 +126,15 @@ def test_other_broadcasts_and_bad_shapes():
     want = _value_and_grads(cutbce.cut_softmax_ce, x, jnp.broadcast_to(exclude, (B, N, 9)),
                             backend="xla")
     _assert_same(got, want, jnp.float32)
+  # Ranks and top-k take the same broadcast (expanded per position).
+  shared, expanded = x["rows"], _expanded(x["rows"])
+  np.testing.assert_array_equal(
+      cutbce.target_ranks(x["hidden"], x["table"], x["targets"], exclude=shared),
+      cutbce.target_ranks(x["hidden"], x["table"], x["targets"], exclude=expanded))
+  np.testing.assert_array_equal(cutbce.top_k(x["hidden"], x["table"], 5, exclude=shared)[1],
+                                cutbce.top_k(x["hidden"], x["table"], 5, exclude=expanded)[1])
+  with pytest.raises(ValueError, match="does not broadcast"):
+    cutbce.top_k(x["hidden"], x["table"], 5, exclude=x["rows"][:2])
   with pytest.raises(ValueError, match="does not broadcast"):
     cutbce.cut_softmax_ce(x["hidden"], x["table"], x["targets"], exclude=x["rows"][:, :, None])
   with pytest.raises(ValueError, match="does not broadcast"):
