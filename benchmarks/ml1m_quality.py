@@ -271,25 +271,65 @@ def cmd_seeds(args):
 
 def summarize(per_seed: list[dict]) -> dict:
   """Mean, sample std and range of SUMMARY_METRICS over reports of one recipe's seeds."""
-  configs = [{k: v for k, v in run["config"].items() if k != "seed"} for run in per_seed]
-  if any(config != configs[0] for config in configs[1:]):
-    raise SystemExit("the reports differ in more than their seed: not seeds of one recipe")
+  # As a report holds them: tuples become lists.
+  defaults = json.loads(json.dumps(load_config("configs/base.py", []).to_dict()))
+  configs = [{k: v for k, v in _with_defaults(run["config"], defaults).items() if k != "seed"}
+             for run in per_seed]
+  first = _flat(configs[0])
+  for config, run in zip(configs[1:], per_seed[1:]):
+    flat = _flat(config)
+    differ = sorted(key for key in flat.keys() | first.keys() if flat.get(key) != first.get(key))
+    if differ:
+      raise SystemExit(f"the reports differ in more than their seed ({', '.join(differ)} of "
+                       f"seed {run['config']['seed']}): not seeds of one recipe")
   summary = {"seeds": [run["config"]["seed"] for run in per_seed],
              "config": per_seed[0]["config"], "command": _command(),
              "published": per_seed[0].get("published"),
              "popularity_baseline": per_seed[0]["popularity_baseline"],
-             "machine": per_seed[0].get("machine")}
+             "machine": _one_or_all([run.get("machine") for run in per_seed])}
   for name in SUMMARY_METRICS:
     values = np.array([run[name] for run in per_seed])
     summary[name] = float(values.mean())
     summary[f"{name}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
     summary[f"{name}_min_max"] = [float(values.min()), float(values.max())]
   summary["per_seed"] = [
-      {"seed": run["config"]["seed"], "step": run["step"], "wall_s": run["wall_s"],
+      {"seed": run["config"]["seed"], "machine": run.get("machine"), "step": run["step"],
+       "wall_s": run["wall_s"],
        "train_s_from_log": run["train_s_from_log"], "command": run.get("command"),
        **{name: run[name] for name in SUMMARY_METRICS}, "test": run["test"],
        "validation_curve": run["validation_curve"]} for run in per_seed]
   return summary
+
+
+def _one_or_all(values: list):
+  """The one value all seeds share, else each seed's (seeds run on different machines)."""
+  return values[0] if all(value == values[0] for value in values) else values
+
+
+def _with_defaults(config: dict, defaults: dict) -> dict:
+  """`config` with the keys it lacks taken from `defaults`, recursively.
+
+  A report written before a config key existed ran with that key's default
+  (new keys default to the behaviour before them), so seeds run months apart
+  still compare equal; a key set to another value still differs.
+  """
+  filled = dict(config)
+  for key, value in defaults.items():
+    if key not in filled:
+      filled[key] = value
+    elif isinstance(value, dict) and isinstance(filled[key], dict):
+      filled[key] = _with_defaults(filled[key], value)
+  return filled
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+  flat = {}
+  for key, value in config.items():
+    if isinstance(value, dict):
+      flat.update(_flat(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
 
 
 def write_summary(summary: dict, out: str) -> None:

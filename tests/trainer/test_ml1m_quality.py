@@ -114,3 +114,30 @@ def test_the_catalog_queue_differs_in_the_loss_and_the_steps_alone(tmp_path, mon
   (results / "exact_bce_seed2.json").write_text(json.dumps({"ndcg@10": 0.12345, "hr@10": 0.2,
                                                             "step": 250}))
   assert queue.table().splitlines()[2].startswith("| exact_bce | 0.1235 +- 0.0000 | 0.2000 +- 0.0000 | 2 | 500 / 250 |")
+
+
+def _report(config: dict, ndcg: float, machine: str) -> dict:
+  return {"config": config, "step": 100, "wall_s": 1.0, "train_s_from_log": 1.0,
+          "ndcg@10": ndcg, "hr@10": 2 * ndcg, "mrr": ndcg / 2, "test": {}, "validation_curve": [],
+          "popularity_baseline": {}, "machine": {"platform": machine}}
+
+
+def test_seeds_summarize_across_config_versions_and_machines():
+  """A report older than a config key ran with its default; any other value differs."""
+  import pytest  # pylint: disable=import-outside-toplevel
+  script = _script()
+  new = json.loads(json.dumps(script.load_config("configs/ml1m_sasrec_plus.py", []).to_dict()))
+  old = json.loads(json.dumps(new))
+  del old["model"]["init"], old["loss"]["negatives_per"]  # keys added after it ran
+  seeds = [dict(old, seed=0), dict(new, seed=1), dict(new, seed=2)]
+  reports = [_report(config, ndcg, machine)
+             for config, ndcg, machine in zip(seeds, (0.1, 0.2, 0.3), ("gpu", "tpu", "tpu"))]
+  summary = script.summarize(reports)
+  assert summary["seeds"] == [0, 1, 2] and abs(summary["ndcg@10"] - 0.2) < 1e-12
+  assert abs(summary["ndcg@10_std"] - 0.1) < 1e-12  # the sample std
+  assert [machine["platform"] for machine in summary["machine"]] == ["gpu", "tpu", "tpu"]
+  assert [run["machine"]["platform"] for run in summary["per_seed"]] == ["gpu", "tpu", "tpu"]
+  changed = json.loads(json.dumps(new))
+  changed["model"]["init"] = "sasrec_plus"
+  with pytest.raises(SystemExit, match=r"model\.init of seed 2"):
+    script.summarize(reports[:2] + [_report(dict(changed, seed=2), 0.3, "tpu")])
