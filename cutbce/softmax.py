@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from cutbce import backends, inputs, reference, sparse
-from cutbce.kernels import matmul
+from cutbce.kernels import matmul, numerics
 from cutbce.kernels import xla as xla_kernels
 from cutbce.kernels.tiling import TilePlan
 
@@ -176,11 +176,19 @@ def _sum_exclude(call: SoftmaxCall, ids: sparse.SparseIds):
   return targets if excluded is None else jnp.concatenate([excluded, targets], axis=-1)
 
 
-def _logsumexp(terms, axis=-1):
-  """log sum exp over `axis`, -inf when every term is -inf (never NaN for those)."""
-  top = jnp.max(terms, axis=axis, keepdims=True)
+def _add_terms(rest, terms):
+  """log(exp(rest) + sum exp(terms)) over the last axis; -inf when all are -inf.
+
+  `rest` (`[...]`) is a log-sum-exp already, its items' exps taken: it is
+  rescaled exactly (`numerics`); each of `terms` (`[..., K]`) goes through
+  the platform's exp once, as every item's term does in the sweep, in dense
+  and in the backward's p, so that an exp's bias (a TPU's float32 exp errs
+  by -6.9 ulp on average) cancels between lse and p instead of being mixed.
+  """
+  top = jnp.maximum(rest, jnp.max(terms, axis=-1))
   top = jnp.where(jnp.isfinite(top), top, 0.0)
-  return jnp.squeeze(top, axis) + jnp.log(jnp.sum(jnp.exp(terms - top), axis=axis))
+  total = numerics.exp(rest - top) + jnp.sum(jnp.exp(terms - top[..., None]), axis=-1)
+  return top + numerics.log(total)
 
 
 def partition(row_max, row_sum, target_logits, target_mask, count: int):
@@ -205,16 +213,15 @@ def partition(row_max, row_sum, target_logits, target_mask, count: int):
     target_mask: `[T, L]` bool, the valid deduplicated targets.
     count: the separated targets, the first `count` columns.
   """
-  rest = jnp.where(row_sum > 0, row_max + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)),
+  rest = jnp.where(row_sum > 0, row_max + numerics.log(jnp.where(row_sum > 0, row_sum, 1.0)),
                    -jnp.inf)  # [T]
   separated = target_mask[:, :count]  # [T, K]
   x = jnp.where(separated, target_logits[:, :count], -jnp.inf)  # [T, K]
-  lse = _logsumexp(jnp.concatenate([rest[:, None], x], axis=-1))  # [T]
+  lse = _add_terms(rest, x)  # [T]
   lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
   # Row p of `others` holds the other separated targets' logits.
   others = jnp.where(jnp.eye(count, dtype=bool)[None], -jnp.inf, x[:, None, :])  # [T, K, K]
-  rest_k = jnp.broadcast_to(rest[:, None, None], others.shape[:2] + (1,))
-  lse_minus = _logsumexp(jnp.concatenate([rest_k, others], axis=-1))  # [T, K]
+  lse_minus = _add_terms(jnp.broadcast_to(rest[:, None], others.shape[:2]), others)  # [T, K]
   complement = jnp.where(
       separated, jax.nn.sigmoid(lse_minus - jnp.where(separated, x, 0.0)), 0.0)
   tail = -jnp.expm1(target_logits[:, count:] - lse[:, None])

@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from cutbce import variants
-from cutbce.kernels import matmul, tiling
+from cutbce.kernels import matmul, numerics, tiling
 from cutbce.kernels.tiling import TilePlan
 from cutbce.kernels.xla import SOFTMAX_FLOOR
 from cutbce.variants import LossOptions
@@ -1088,7 +1088,7 @@ def _softmax_forward_kernel(*refs, geom: _Geometry, has_bias: bool, with_counts:
     new_max = jnp.maximum(old_max, jnp.max(jnp.where(keep, logits, SOFTMAX_FLOOR), axis=1,
                                            keepdims=True))
     shifted = jnp.where(keep, jnp.exp(jnp.where(keep, logits - new_max, 0.0)), 0.0)
-    sum_ref[rows, :] = (sum_ref[rows, :] * jnp.exp(old_max - new_max)
+    sum_ref[rows, :] = (sum_ref[rows, :] * numerics.exp(old_max - new_max)
                         + jnp.sum(shifted, axis=1, keepdims=True))
     max_ref[rows, :] = new_max
 

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cutbce import variants
-from cutbce.kernels import matmul
+from cutbce.kernels import matmul, numerics
 from cutbce.kernels.tiling import TilePlan, default_xla_block_v
 from cutbce.variants import LossOptions, softplus  # noqa: F401  (softplus: re-exported)
 
@@ -451,7 +451,7 @@ def softmax_forward(hidden, table, bias, exclude_ids, *, plan: TilePlan | None,
     if masked is not None:
       logits = jnp.where(masked, -jnp.inf, logits)
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=-1))
-    row_sum = (row_sum * jnp.exp(row_max - new_max)
+    row_sum = (row_sum * numerics.exp(row_max - new_max)
                + jnp.sum(jnp.exp(logits - new_max[:, None]), axis=-1))
     return new_max, row_sum, positive_count
 

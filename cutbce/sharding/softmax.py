@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cutbce import inputs, reference, sparse, softmax
+from cutbce.kernels import numerics
 from cutbce.sharding import layout as layout_lib
 from cutbce.sharding.shard_map import _local_ids, _map, _pack_ids, _prepare, _Static
 
@@ -49,7 +50,7 @@ def _forward_map(static: _Static, hidden, table, bias, ids):
     target_logits = jnp.where(local_ids.target_mask, part.logits.target, 0.0)
     if layout.vocab_axis is not None:
       top = lax.pmax(row_max, layout.vocab_axis)
-      row_sum = lax.psum(row_sum * jnp.exp(row_max - top), layout.vocab_axis)
+      row_sum = lax.psum(row_sum * numerics.exp(row_max - top), layout.vocab_axis)
       row_max = top
       target_logits = lax.psum(target_logits, layout.vocab_axis)
     lse, complement = softmax.partition(row_max, row_sum, target_logits, global_ids.target_mask,
