@@ -55,6 +55,7 @@ import pathlib
 import platform
 import subprocess
 import sys
+import tarfile
 import time
 import traceback
 
@@ -147,14 +148,27 @@ def _environment() -> dict:
           "platform": platform.platform()}
 
 
-def _wait(process, timeout: float):
-  """`process`'s exit status, or None where it ran past `timeout` s and was killed."""
+def _wait(process, timeout: float, grace_s: float = 0.0):
+  """`process`'s exit status, or None where it ran past `timeout` s and was stopped.
+
+  With `grace_s`, a SIGTERM `grace_s` before the end (a training run saves
+  its checkpoint at its next step and stops: trainer/workdir/preemption.py),
+  then a kill at `timeout` if it is still there.
+  """
   try:
-    return process.wait(timeout=timeout)
+    return process.wait(timeout=max(0.1, timeout - grace_s))
   except subprocess.TimeoutExpired:
-    process.kill()
-    process.wait()
-    return None
+    pass
+  if grace_s:
+    process.terminate()
+    try:
+      process.wait(timeout=grace_s)
+      return None
+    except subprocess.TimeoutExpired:
+      pass
+  process.kill()
+  process.wait()
+  return None
 
 
 # The fast GPU subset: kernels run compiled on the GPU, the compile tests for
@@ -434,7 +448,13 @@ LATER_RUNS = ("replica_3000_seed0", "best_sampled_softmax_k128_seed0",
               *CATALOG_1M_RUNS)
 
 
-def part_quality(out: pathlib.Path, limit_s: int, names, at_once: bool = True) -> dict:
+QUALITY_SCRIPT = "benchmarks/ml1m_quality.py"
+# A cut run is sent SIGTERM this long before `limit_s`: time to save its checkpoint.
+CUT_GRACE_S = 30.0
+
+
+def part_quality(out: pathlib.Path, limit_s: int, names, at_once: bool = True,
+                 resume: pathlib.Path | None = None, keep: pathlib.Path | None = None) -> dict:
   """The runs of QUALITY_GRID named in `names`, all at once on the one GPU.
 
   One process each (mesh data=1, the global batch of the config), started
@@ -442,8 +462,15 @@ def part_quality(out: pathlib.Path, limit_s: int, names, at_once: bool = True) -
   several share it well. `at_once=False` (a TPU, which one process at a time
   can hold) runs them one after the other in `names`' order. Each finished
   run writes quality/<name>.json (the ml1m_quality.py report); a run cut by
-  `limit_s` leaves its metrics.jsonl (its validation curve so far) under
+  `limit_s` (SIGTERM `CUT_GRACE_S` before it: it saves its checkpoint)
+  leaves its metrics.jsonl (its validation curve so far) under
   quality/<name>/.
+
+  Runs longer than one device call (gSASRec's 90,000 steps) go on across
+  calls: with `keep`, a cut run's whole workdir is packed into
+  `keep`/<name>.tar.gz (back from the device with the call's files); with
+  `resume`, a `resume`/<name>.tar.gz carried to the device is unpacked as
+  the run's workdir first, and the run resumes from its checkpoint.
   """
   cache = ROOT / "runs" / "data_cache"
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
@@ -457,7 +484,12 @@ def part_quality(out: pathlib.Path, limit_s: int, names, at_once: bool = True) -
   result = {"limit_s": limit_s, "at_once": at_once, "runs": {}}
 
   def launch(name, config, overrides):
-    command = [sys.executable, "benchmarks/ml1m_quality.py", "train", "--config", config,
+    packed = resume / f"{name}.tar.gz" if resume is not None else None
+    if packed is not None and packed.exists() and not (folder / name).exists():
+      with tarfile.open(packed) as tar:
+        tar.extractall(folder / name, filter="data")
+      print(f"resuming {name} from {packed}", flush=True)
+    command = [sys.executable, QUALITY_SCRIPT, "train", "--config", config,
                "--workdir", str(folder / name), "--out", str(folder / f"{name}.json")]
     for override in ["mesh.shape=(1,)", *overrides]:
       command += ["--set", override]
@@ -467,9 +499,15 @@ def part_quality(out: pathlib.Path, limit_s: int, names, at_once: bool = True) -
                             stderr=subprocess.STDOUT), command, log
 
   def finish(name, process, command, log):
-    returncode = _wait(process, max(1.0, limit_s - (time.perf_counter() - start)))
+    returncode = _wait(process, max(1.0, limit_s - (time.perf_counter() - start)),
+                       grace_s=CUT_GRACE_S)
     log.close()
     report = folder / f"{name}.json"
+    if keep is not None and not report.exists() and (folder / name).exists():
+      keep.mkdir(parents=True, exist_ok=True)
+      with tarfile.open(keep / f"{name}.tar.gz", "w:gz") as tar:
+        tar.add(folder / name, arcname=".")
+      print(f"kept {name}'s workdir in {keep / f'{name}.tar.gz'} (carry it to resume)", flush=True)
     row = {"command": " ".join(command[1:]), "returncode": returncode,
            "seconds": round(time.perf_counter() - start, 1)}
     if report.exists():

@@ -22,7 +22,11 @@ Two commands:
                      loss.backend xla / pallas_tpu / dense: compiled memory
                      and step time;
             quality  runs of gpu_run.QUALITY_GRID (--runs), one after the
-                     other (one process at a time can hold a TPU);
+                     other (one process at a time can hold a TPU); a run
+                     cut by --quality-s saves its checkpoint (SIGTERM) and
+                     its workdir comes back as <run>.tar.gz beside the
+                     bundle: put it in runs/device_resume/ (--resume),
+                     carry that folder, and the next call resumes it;
             functions  benchmarks/float32_functions.py: the chip's float32
                      exp, log, tanh, ... and products against float64;
             exclude  benchmarks/exclude_bench.py: the softmax's window
@@ -33,6 +37,8 @@ Two commands:
 
     python benchmarks/tpu_run.py wheels
     bash benchmarks/tpu_run.sh --parts tests loss train       # on the TPU machine
+    # a run longer than one call (carry .whl-tpu, runs/data_cache, runs/device_resume):
+    bash benchmarks/tpu_run.sh --parts quality --runs gsasrec_seed0 --quality-s 540
 """
 
 from __future__ import annotations
@@ -135,8 +141,9 @@ def cmd_device(args) -> None:
            "tests": lambda: gpu_run.part_tests(out, args.tests_s, TPU_TESTS, stop_first=False),
            "loss": lambda: chip("loss"),
            "train": lambda: chip("train"),
-           "quality": lambda: gpu_run.part_quality(out, args.quality_s, args.runs,
-                                                   at_once=False)}
+           "quality": lambda: gpu_run.part_quality(
+               out, args.quality_s, args.runs, at_once=False, resume=pathlib.Path(args.resume),
+               keep=pathlib.Path(args.bundle).parent if args.bundle else None)}
   bundle = (lambda: _bundle(out, pathlib.Path(args.bundle))) if args.bundle else None
   gpu_run.run_parts(out, parts, ["environment", *args.parts], after_each=bundle)
 
@@ -155,6 +162,9 @@ def main() -> None:
                       choices=["tests", "loss", "train", "quality", "functions", "exclude"])
   device.add_argument("--tests-s", type=int, default=180)
   device.add_argument("--quality-s", type=int, default=480)
+  device.add_argument("--resume", default="runs/device_resume",
+                      help="a carried folder of <run>.tar.gz workdirs that an earlier call "
+                           "cut (packed beside --bundle): those runs resume from them")
   device.add_argument("--runs", nargs="+", default=list(gpu_run.NEXT_RUNS),
                       choices=[r[0] for r in gpu_run.QUALITY_GRID],
                       help="names of gpu_run.QUALITY_GRID, run in this order")

@@ -73,3 +73,50 @@ def test_device_parts_are_checked_by_name():
   with pytest.raises(SystemExit):
     sys.argv = ["tpu_run.py", "device", "--out", "x", "--parts", "speed"]
     tpu_run.main()
+
+
+# A stand-in for ml1m_quality.py train: counts steps in its workdir, saves the
+# count on SIGTERM (as the trainer saves its checkpoint), and writes its
+# report once it has reached 3 steps, resuming from the saved count.
+_FAKE_TRAIN = '''
+import json, pathlib, signal, sys, time
+args = sys.argv[1:]
+workdir = pathlib.Path(args[args.index("--workdir") + 1])
+workdir.mkdir(parents=True, exist_ok=True)
+saved = workdir / "checkpoint.json"
+step = json.loads(saved.read_text())["step"] if saved.exists() else 0
+def stop(*_):
+  saved.write_text(json.dumps({"step": step}))
+  sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+if step < 3:
+  step += 1
+  while True:  # a long step: the call's limit comes first
+    time.sleep(0.05)
+pathlib.Path(args[args.index("--out") + 1]).write_text(json.dumps(
+    {"ndcg@10": 0.5, "hr@10": 0.6, "mrr": 0.4, "step": step, "wall_s": 1.0}))
+'''
+
+
+def test_a_cut_run_is_kept_and_the_next_call_resumes_it(tmp_path, monkeypatch):
+  script = tmp_path / "fake_train.py"
+  script.write_text(_FAKE_TRAIN)
+  monkeypatch.setattr(gpu_run, "QUALITY_SCRIPT", str(script))
+  monkeypatch.setattr(gpu_run, "CUT_GRACE_S", 1.0)
+  monkeypatch.setattr(gpu_run, "_environment", dict)
+  carried = tmp_path / "carried"
+  for call in range(3):  # each call cut: one more step saved, packed, carried back
+    out, back = tmp_path / f"call{call}", tmp_path / f"back{call}"
+    result = gpu_run.part_quality(out, 2, ["gsasrec_seed0"], at_once=False, resume=carried,
+                                  keep=back)
+    assert result["runs"]["gsasrec_seed0"]["returncode"] is None  # cut
+    with tarfile.open(back / "gsasrec_seed0.tar.gz") as tar:
+      saved = json.loads(tar.extractfile("./checkpoint.json").read())
+    assert saved == {"step": call + 1}
+    carried.mkdir(exist_ok=True)
+    (back / "gsasrec_seed0.tar.gz").replace(carried / "gsasrec_seed0.tar.gz")
+  result = gpu_run.part_quality(tmp_path / "call3", 20, ["gsasrec_seed0"], at_once=False,
+                                resume=carried, keep=tmp_path / "back3")
+  assert result["runs"]["gsasrec_seed0"]["returncode"] == 0
+  assert result["runs"]["gsasrec_seed0"]["step"] == 3
+  assert not (tmp_path / "back3").exists()  # a finished run's report is its result
