@@ -185,7 +185,7 @@ def _add_terms(rest, terms):
   and in the backward's p, so that an exp's bias (a TPU's float32 exp errs
   by -6.9 ulp on average) cancels between lse and p instead of being mixed.
   """
-  top = jnp.maximum(rest, jnp.max(terms, axis=-1))
+  top = jnp.maximum(rest, jnp.max(terms, axis=-1, initial=-jnp.inf))  # K may be 0
   top = jnp.where(jnp.isfinite(top), top, 0.0)
   total = numerics.exp(rest - top) + jnp.sum(jnp.exp(terms - top[..., None]), axis=-1)
   return top + numerics.log(total)

@@ -1,4 +1,8 @@
-"""cutbce.kernels.numerics: exp and log within float32's ulps, without the exp and log primitives."""
+"""cutbce.kernels.numerics: exp and log within float32's ulps, no exp or log primitive.
+
+And `softmax.partition`, whose log-sum-exp uses them, for any number of
+separated targets (none included).
+"""
 
 import jax
 import jax.numpy as jnp
@@ -63,3 +67,29 @@ def test_no_exp_or_log_primitive(fn):
   """The point of them: the platform's exp and log (a TPU's err by tens of ulps) are not called."""
   primitives = {eqn.primitive.name for eqn in jax.make_jaxpr(fn)(jnp.ones(4)).jaxpr.eqns}
   assert not primitives & {"exp", "exp2", "log", "log1p", "expm1", "logistic"}, primitives
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_partition_matches_float64_for_any_number_of_separated_targets(count):
+  """lse and 1 - p from the rest's (max, sum) and the targets' logits, K = 0 included."""
+  from cutbce import softmax  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(count)
+  tokens, num_targets = 5, 3
+  logits = rng.normal(size=(tokens, 40)) * 3  # every column an item; targets: columns 0..2
+  logits[:, :num_targets] += np.array([9.0, 0.0, -4.0])
+  rest = logits[:, count:]  # the sweep leaves the first `count` targets out of its sums
+  row_max = rest.max(axis=1)
+  row_sum = np.exp(rest - row_max[:, None]).sum(axis=1)
+  mask = np.ones((tokens, num_targets), bool)
+  mask[1, -1] = False  # a padding target's column comes back 0
+  lse, complement = softmax.partition(
+      jnp.asarray(row_max, jnp.float32), jnp.asarray(row_sum, jnp.float32),
+      jnp.asarray(logits[:, :num_targets], jnp.float32), jnp.asarray(mask), count)
+  want_lse = np.log(np.exp(logits).sum(axis=1))
+  np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-6)
+  want = np.where(mask, 1 - np.exp(logits[:, :num_targets] - want_lse[:, None]), 0.0)
+  # Separated targets: 1 - p at float32's relative precision; the rest read
+  # 1 - p off lse - x (-expm1), within float32's spacing at lse.
+  got = np.asarray(complement)
+  np.testing.assert_allclose(got[:, :count], want[:, :count], rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(got[:, count:], want[:, count:], rtol=1e-5, atol=2e-6)
