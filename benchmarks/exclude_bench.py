@@ -7,7 +7,8 @@ v5e, on the XLA path (E is past the Pallas kernels' `MAX_SOFTMAX_EXCLUDE`).
 This times, side by side in one process (min over interleaved repeats), the
 whole op with its gradients and stats (`cut_softmax_ce`, backend xla) without
 exclusion, with the trainer's per-position `[B, N, E]` ids, and with one row
-of ids per window, `[B, 1, E]`, shared by its N positions; and the parts of
+of ids per window, `[B, 1, E]`, shared by its N positions (and the same three
+for `cut_bce`, each against BCE without exclusion); and the parts of
 the per-position form: the ids' preparation (`sparse.prepare_ids`), the
 logits at the excluded ids, the vocabulary sweep (`softmax_forward` of the
 XLA kernels) with and without its mask, and the mask alone, by a scatter and
@@ -104,10 +105,10 @@ def main():
   # Every array is an argument (none is folded into the program as a constant).
   operands = (x["hidden"], x["table"], x["targets"], x["weights"], per_position, shared)
 
-  def op(which):
+  def op(which, loss_fn=cutbce.cut_softmax_ce):
     def loss(hidden, table, targets, weights, exclude):
-      return cutbce.cut_softmax_ce(hidden, table, targets, weights, exclude=exclude,
-                                   backend="xla", return_stats=True)
+      return loss_fn(hidden, table, targets, weights, exclude=exclude, backend="xla",
+                     return_stats=True)
     grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
     exclude = {"none": lambda *e: None, "per_position": lambda p, s: p,
                "shared": lambda p, s: s}[which]
@@ -122,6 +123,10 @@ def main():
       "op, no exclusion": op("none"),
       "op, exclude [B, N, E]": op("per_position"),
       "op, exclude [B, 1, E]": op("shared"),
+      # The same for cut_bce, whose backward sets the excluded ids' columns.
+      "bce op, no exclusion": op("none", cutbce.cut_bce),
+      "bce op, exclude [B, N, E]": op("per_position", cutbce.cut_bce),
+      "bce op, exclude [B, 1, E]": op("shared", cutbce.cut_bce),
       "prepare_ids [T, E]": lambda h, t, y, w, p, s: sparse.prepare_ids(
           y.reshape(tokens, -1), p.reshape(tokens, -1), args.vocab),
       "logits at [T, E] ids": lambda h, t, y, w, p, s: sparse.gather_logits(
@@ -150,9 +155,9 @@ def main():
       skipped[name] = f"{type(error).__name__}: {error}"
       print(f"{name}: skipped ({skipped[name][:120]})", flush=True)
   times = interleaved_min_times(compiled, operands, args.repeats)
-  base = times["op, no exclusion"]
   rows = []
   for name, seconds in times.items():
+    base = times["bce op, no exclusion" if name.startswith("bce") else "op, no exclusion"]
     rows.append({"case": name, "ms": round(seconds * 1e3, 2),
                  "vs_no_exclusion": round(seconds / base, 2)})
     print(f"{name:28s} {seconds * 1e3:10.2f} ms  {seconds / base:6.2f}x", flush=True)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from cutbce import backends, inputs, sparse
 from cutbce.kernels import matmul
+from cutbce.kernels import xla as xla_kernels
 from cutbce.kernels.tiling import TilePlan
 from cutbce.variants import LossOptions
 
@@ -122,13 +123,30 @@ def _sparse_start(call: TiledCall, hidden, table, bias, ids, scale):
   The targets' and excluded ids' gradients are set in the sweep's tiles in
   float32 (`sparse.bce_columns`): exact in every dtype, no cancellation
   against a background rounded to bfloat16. Only ids past the kernels'
-  `MAX_FIXED_COLUMNS` per position are sparse corrections.
+  `MAX_FIXED_COLUMNS` per position are sparse corrections. Excluded ids in
+  rows shared by consecutive tokens (`SparseIds.exclude_rows`) are set per
+  row on the XLA path (`_shared_columns`), not per token.
   """
   logits = sparse.sparse_logits(hidden, table, bias, ids)
-  columns = sparse.bce_columns(ids, logits, scale, call.options,
+  shared = _shared_columns(call, ids, scale)
+  column_ids = ids if shared is None else ids._replace(exclude_ids=None, exclude_mask=None)
+  columns = sparse.bce_columns(column_ids, logits, scale, call.options,
                                getattr(call.kernels, "MAX_FIXED_COLUMNS", None))
   grads = sparse.rest_grads(hidden, table, bias is not None, columns)
-  return logits, columns, grads
+  return logits, columns, grads, ({} if shared is None else {"shared_rows": shared})
+
+
+def _shared_columns(call: TiledCall, ids, scale):
+  """`xla.SharedColumns` where the XLA kernels set shared excluded rows, else None.
+
+  An excluded id's column holds g_t B (`sparse.bce_columns`); the rows are
+  marked once per tile each, where T x E per-token ids are a scatter of T x E
+  updates per tile (applied one after another on a TPU).
+  """
+  if ids.exclude_rows is None or call.backend != "xla":
+    return None
+  _, slope = call.options.affine_coefficients()
+  return xla_kernels.SharedColumns(ids.exclude_rows, slope * scale.astype(jnp.float32))
 
 
 def _finish_grads(call: TiledCall, hidden, table, scale, hidden_grad, table_grad, bias_grad):
@@ -159,12 +177,12 @@ def tiled_backward(call: TiledCall, hidden, table, bias, ids, scale):
     the input dtypes (a sharded caller sums them across devices first). Rows
     past `call.num_items` get exactly zero.
   """
-  _, columns, (hidden_grad, table_grad, bias_grad) = _sparse_start(
+  _, columns, (hidden_grad, table_grad, bias_grad), shared = _sparse_start(
       call, hidden, table, bias, ids, scale)
   dense_hidden_grad, table_grad, bias_grad = call.kernels.backward(
       hidden, table, bias, _dense_scale(call, scale), table_grad, bias_grad,
       columns.fixed_ids, columns.fixed_values, plan=call.plan,
-      options=call.options, num_items=call.num_items,
+      options=call.options, num_items=call.num_items, **shared,
   )
   return _finish_grads(call, hidden, table, scale, hidden_grad + dense_hidden_grad,
                        table_grad, bias_grad)
@@ -176,13 +194,14 @@ def tiled_forward_backward(call: TiledCall, hidden, table, bias, ids, scale, cou
   Returns:
     (`[T]` l_t, counts or None, (dh, dE, db) float32 gradients of sum_t scale_t l_t).
   """
-  logits, columns, (hidden_grad, table_grad, bias_grad) = _sparse_start(
+  logits, columns, (hidden_grad, table_grad, bias_grad), shared = _sparse_start(
       call, hidden, table, bias, ids, scale)
   dense_sum, positive_count, dense_hidden_grad, table_grad, bias_grad = (
       call.kernels.forward_backward(
           hidden, table, bias, _dense_scale(call, scale), table_grad, bias_grad,
           columns.fixed_ids, columns.fixed_values, plan=call.plan,
           with_counts=call.with_counts, options=call.options, num_items=call.num_items,
+          **shared,
       ))
   per_token, counts = _finish_loss(call, dense_sum, positive_count, hidden, table, bias, ids,
                                    logits, counted_items)

@@ -177,25 +177,43 @@ def forward(hidden, table, bias, *, plan: TilePlan | None, with_counts: bool,
 @functools.partial(jax.named_call, name="cutbce_xla_backward")
 def backward(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids=None,
              fixed_values=None, *, plan: TilePlan | None,
-             options: LossOptions = variants.PLAIN, num_items: int | None = None):
+             options: LossOptions = variants.PLAIN, num_items: int | None = None,
+             shared_rows: SharedColumns | None = None):
   _, _, *grads = _sweep(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids,
                         fixed_values, plan=plan,
                         options=options, num_items=num_items, with_loss=False,
-                        with_counts=False)
+                        with_counts=False, shared_rows=shared_rows)
   return tuple(grads)
 
 
 @functools.partial(jax.named_call, name="cutbce_xla_forward_backward")
 def forward_backward(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids=None,
                      fixed_values=None, *, plan: TilePlan | None, with_counts: bool,
-                     options: LossOptions = variants.PLAIN, num_items: int | None = None):
+                     options: LossOptions = variants.PLAIN, num_items: int | None = None,
+                     shared_rows: SharedColumns | None = None):
   return _sweep(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids, fixed_values,
-                plan=plan,
-                options=options, num_items=num_items, with_loss=True, with_counts=with_counts)
+                plan=plan, options=options, num_items=num_items, with_loss=True,
+                with_counts=with_counts, shared_rows=shared_rows)
+
+
+class SharedColumns(NamedTuple):
+  """BCE's excluded ids as rows shared by consecutive tokens, set in the backward's tiles.
+
+  Attributes:
+    rows: `[G, E]` int32, row g excluded for tokens g T/G ... (g + 1) T/G - 1
+      (-1: none): each tile marks G rows (`shared_mask`), not T x E ids.
+    value: `[T]` float32, what an excluded column of token t is set to
+      (g_t B: 0 with the affine part the caller adds, `sparse.bce_columns`).
+  The targets' own columns (`fixed_ids`) are set after, over these.
+  """
+
+  rows: jax.Array
+  value: jax.Array
 
 
 def _sweep(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids, fixed_values, *,
-           plan, options, num_items, with_loss: bool, with_counts: bool):
+           plan, options, num_items, with_loss: bool, with_counts: bool,
+           shared_rows: SharedColumns | None = None):
   """The backward walk (3 GEMMs per tile), and with `with_loss` the forward's sums too.
 
   Returns (dense_sum or None, positive_count or None, dh, table_grad, bias_grad).
@@ -220,6 +238,9 @@ def _sweep(hidden, table, bias, scale, table_grad, bias_grad, fixed_ids, fixed_v
     else:
       grad = variants.tile_grad(options, logits)
     logit_grad = scale[:, None] * grad  # [T, block_v] f32
+    if shared_rows is not None:
+      excluded = shared_mask(shared_rows.rows, num_tokens, start, size)
+      logit_grad = jnp.where(excluded, shared_rows.value[:, None], logit_grad)
     # Exact terms at the fixed columns, in f32 before the cast.
     logit_grad = set_columns(logit_grad, fixed_ids, fixed_values, start, size)
     logit_grad_c = logit_grad.astype(compute_dtype)
@@ -410,6 +431,17 @@ class SharedExclude(NamedTuple):
   tokens: jax.Array | None = None
 
 
+def shared_mask(rows, num_tokens: int, start, size: int):
+  """`[T, size]` bool from `[G, E]` rows, each shared by T / G consecutive tokens.
+
+  Marked once per row (`excluded_columns`), then broadcast over its tokens.
+  """
+  marked = excluded_columns(rows, start, size)  # [G, size]
+  group = num_tokens // rows.shape[0]
+  return jnp.broadcast_to(marked[:, None, :], (rows.shape[0], group, size)).reshape(
+      num_tokens, size)
+
+
 def _softmax_mask(exclude_ids, valid_rows, num_tokens: int, start, size: int):
   """`[T, size]` bool: True where column start + j is not in the token's softmax, or None.
 
@@ -417,10 +449,7 @@ def _softmax_mask(exclude_ids, valid_rows, num_tokens: int, start, size: int):
   """
   masked = None
   if isinstance(exclude_ids, SharedExclude):
-    rows = excluded_columns(exclude_ids.rows, start, size)  # [G, size]
-    group = num_tokens // rows.shape[0]
-    masked = jnp.broadcast_to(rows[:, None, :], (rows.shape[0], group, size)).reshape(
-        num_tokens, size)
+    masked = shared_mask(exclude_ids.rows, num_tokens, start, size)
     if exclude_ids.tokens is not None:
       masked = masked | excluded_columns(exclude_ids.tokens, start, size)
   elif exclude_ids is not None:

@@ -73,7 +73,9 @@ VARIANT = {"num_items": 97, "pos_weight": 2.0}
 SHARED_CASES = [  # (backend, dtype, kind, options): every backend, both dtypes, both losses
     ("xla", jnp.float32, "softmax", {}), ("xla", jnp.float32, "softmax", SMOOTHED),
     ("xla", jnp.bfloat16, "softmax", SMOOTHED), ("xla", jnp.float32, "bce", VARIANT),
-    ("xla", jnp.bfloat16, "bce", {}), ("dense", jnp.float32, "softmax", SMOOTHED),
+    ("xla", jnp.bfloat16, "bce", {}),
+    ("xla", jnp.float32, "bce", SMOOTHED),  # affine: excluded columns hold g_t B, not 0
+    ("dense", jnp.float32, "softmax", SMOOTHED),
     ("dense", jnp.float32, "bce", VARIANT), ("pallas_tpu", jnp.float32, "softmax", SMOOTHED),
     ("pallas_tpu", jnp.bfloat16, "softmax", {}), ("pallas_tpu", jnp.float32, "bce", VARIANT),
 ]

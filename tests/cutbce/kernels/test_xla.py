@@ -45,3 +45,26 @@ def test_a_tpu_program_marks_columns_without_a_scatter():
   # the compares' time at T = 25,600, E = 201: benchmarks/exclude_bench.py).
   assert "stablehlo.scatter" in _lowered_text("cpu")
   assert "stablehlo.scatter" not in _lowered_text("tpu")
+
+
+def _bce_grad_text(exclude_shape):
+  """The TPU program of cut_bce's XLA gradient with `exclude` of `exclude_shape`."""
+  import cutbce  # pylint: disable=import-outside-toplevel
+  spec = jax.ShapeDtypeStruct
+  args = (spec((2, 9, 8), jnp.float32), spec((50, 8), jnp.float32),
+          spec((2, 9, 2), jnp.int32), spec(exclude_shape, jnp.int32))
+
+  def loss(hidden, table, targets, exclude):
+    return cutbce.cut_bce(hidden, table, targets, exclude=exclude, backend="xla",
+                          label_smoothing=0.1)
+
+  grad = jax.jit(jax.grad(loss, (0, 1)))
+  return jax.export.export(grad, platforms=("tpu",))(*args).mlir_module()
+
+
+def test_bce_sets_shared_excluded_rows_per_row_not_per_token():
+  # Per token, the T x (L + E) = 18 x 13 fixed ids are scattered into every
+  # tile; one row per window is marked by compares and only the T x L targets
+  # are set per token.
+  assert "18x13xi32" in _bce_grad_text((2, 9, 11))
+  assert "18x13xi32" not in _bce_grad_text((2, 1, 11))
