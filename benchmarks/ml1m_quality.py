@@ -270,11 +270,18 @@ def cmd_seeds(args):
 
 
 def summarize(per_seed: list[dict]) -> dict:
-  """Mean, sample std and range of SUMMARY_METRICS over reports of one recipe's seeds."""
+  """Mean, sample std and range of SUMMARY_METRICS over reports of one recipe's seeds.
+
+  The reports must differ in nothing but their seed and mesh (each seed's
+  mesh and machine are kept in `per_seed`).
+  """
   # As a report holds them: tuples become lists.
   defaults = json.loads(json.dumps(load_config("configs/base.py", []).to_dict()))
-  configs = [{k: v for k, v in _with_defaults(run["config"], defaults).items() if k != "seed"}
-             for run in per_seed]
+  # Neither the seed nor the mesh is the recipe: a run on 8 simulated CPU
+  # devices and on one GPU (the same global batch) give the same numbers
+  # (docs/results.md, "Same numbers on CPU and GPU"). Each seed's mesh is kept.
+  configs = [{k: v for k, v in _with_defaults(run["config"], defaults).items()
+              if k not in ("seed", "mesh")} for run in per_seed]
   first = _flat(configs[0])
   for config, run in zip(configs[1:], per_seed[1:]):
     flat = _flat(config)
@@ -293,7 +300,8 @@ def summarize(per_seed: list[dict]) -> dict:
     summary[f"{name}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
     summary[f"{name}_min_max"] = [float(values.min()), float(values.max())]
   summary["per_seed"] = [
-      {"seed": run["config"]["seed"], "machine": run.get("machine"), "step": run["step"],
+      {"seed": run["config"]["seed"], "machine": run.get("machine"),
+       "mesh": run["config"].get("mesh"), "step": run["step"],
        "wall_s": run["wall_s"],
        "train_s_from_log": run["train_s_from_log"], "command": run.get("command"),
        **{name: run[name] for name in SUMMARY_METRICS}, "test": run["test"],

@@ -129,6 +129,7 @@ def test_seeds_summarize_across_config_versions_and_machines():
   new = json.loads(json.dumps(script.load_config("configs/ml1m_sasrec_plus.py", []).to_dict()))
   old = json.loads(json.dumps(new))
   del old["model"]["init"], old["loss"]["negatives_per"]  # keys added after it ran
+  old["mesh"]["shape"] = [8]  # ran on 8 simulated devices: the same recipe
   seeds = [dict(old, seed=0), dict(new, seed=1), dict(new, seed=2)]
   reports = [_report(config, ndcg, machine)
              for config, ndcg, machine in zip(seeds, (0.1, 0.2, 0.3), ("gpu", "tpu", "tpu"))]
@@ -137,6 +138,7 @@ def test_seeds_summarize_across_config_versions_and_machines():
   assert abs(summary["ndcg@10_std"] - 0.1) < 1e-12  # the sample std
   assert [machine["platform"] for machine in summary["machine"]] == ["gpu", "tpu", "tpu"]
   assert [run["machine"]["platform"] for run in summary["per_seed"]] == ["gpu", "tpu", "tpu"]
+  assert summary["per_seed"][0]["mesh"]["shape"] == [8]
   changed = json.loads(json.dumps(new))
   changed["model"]["init"] = "sasrec_plus"
   with pytest.raises(SystemExit, match=r"model\.init of seed 2"):
