@@ -118,7 +118,8 @@ def tiled_forward(call: TiledCall, hidden, table, bias, ids, counted_items=None)
 
 
 def _sparse_start(call: TiledCall, hidden, table, bias, ids, scale):
-  """Sparse logits, the columns the sweep sets, and the sparse gradient parts it adds to (f32).
+  """Sparse logits, the columns the sweep sets, the sparse gradient parts it adds to (f32),
+  and the kernels' keyword for shared rows (`{"shared_rows": ...}`, else `{}`).
 
   The targets' and excluded ids' gradients are set in the sweep's tiles in
   float32 (`sparse.bce_columns`): exact in every dtype, no cancellation
