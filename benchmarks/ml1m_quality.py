@@ -275,17 +275,19 @@ def summarize(per_seed: list[dict]) -> dict:
   The reports must differ in nothing but their seed and mesh (each seed's
   mesh and machine are kept in `per_seed`).
   """
-  # As a report holds them: tuples become lists.
-  defaults = json.loads(json.dumps(load_config("configs/base.py", []).to_dict()))
+  from trainer.config.schema import flatten  # pylint: disable=import-outside-toplevel
+  # As a report holds them (tuples become lists). A report written before a
+  # config key existed ran with its default (new keys default to the
+  # behaviour before them): its missing keys are the defaults'.
+  defaults = flatten(json.loads(json.dumps(load_config("configs/base.py", []).to_dict())))
   # Neither the seed nor the mesh is the recipe: a run on 8 simulated CPU
   # devices and on one GPU (the same global batch) give the same numbers
   # (docs/results.md, "Same numbers on CPU and GPU"). Each seed's mesh is kept.
-  configs = [{k: v for k, v in _with_defaults(run["config"], defaults).items()
-              if k not in ("seed", "mesh")} for run in per_seed]
-  first = _flat(configs[0])
+  configs = [{key: value for key, value in {**defaults, **flatten(run["config"])}.items()
+              if key != "seed" and not key.startswith("mesh.")} for run in per_seed]
   for config, run in zip(configs[1:], per_seed[1:]):
-    flat = _flat(config)
-    differ = sorted(key for key in flat.keys() | first.keys() if flat.get(key) != first.get(key))
+    differ = sorted(key for key in config.keys() | configs[0].keys()
+                    if config.get(key) != configs[0].get(key))
     if differ:
       raise SystemExit(f"the reports differ in more than their seed ({', '.join(differ)} of "
                        f"seed {run['config']['seed']}): not seeds of one recipe")
@@ -312,32 +314,6 @@ def summarize(per_seed: list[dict]) -> dict:
 def _one_or_all(values: list):
   """The one value all seeds share, else each seed's (seeds run on different machines)."""
   return values[0] if all(value == values[0] for value in values) else values
-
-
-def _with_defaults(config: dict, defaults: dict) -> dict:
-  """`config` with the keys it lacks taken from `defaults`, recursively.
-
-  A report written before a config key existed ran with that key's default
-  (new keys default to the behaviour before them), so seeds run months apart
-  still compare equal; a key set to another value still differs.
-  """
-  filled = dict(config)
-  for key, value in defaults.items():
-    if key not in filled:
-      filled[key] = value
-    elif isinstance(value, dict) and isinstance(filled[key], dict):
-      filled[key] = _with_defaults(filled[key], value)
-  return filled
-
-
-def _flat(config: dict, prefix: str = "") -> dict:
-  flat = {}
-  for key, value in config.items():
-    if isinstance(value, dict):
-      flat.update(_flat(value, f"{prefix}{key}."))
-    else:
-      flat[f"{prefix}{key}"] = value
-  return flat
 
 
 def write_summary(summary: dict, out: str) -> None:
