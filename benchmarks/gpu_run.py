@@ -50,12 +50,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import platform
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import traceback
 
@@ -457,6 +459,70 @@ LATER_RUNS = ("replica_3000_seed0", "best_sampled_softmax_k128_seed0",
 
 
 QUALITY_SCRIPT = "benchmarks/ml1m_quality.py"
+# A kept workdir comes back in parts of at most this many bytes (a device
+# call returns files of up to 16 MiB each, 64 MiB in all).
+PART_BYTES = 15 * 2**20
+
+
+def _checkpoints_to_keep(workdir: pathlib.Path) -> set[str]:
+  """The checkpoint folders a resumed run needs: its latest and its best.
+
+  The trainer keeps `max_checkpoints` latest ones and the best by
+  `checkpoint.best_metric` (orbax's `metrics` item, beside each); resuming
+  needs only the latest, and the final test evaluation the best.
+  """
+  steps = sorted((int(d.name) for d in (workdir / "checkpoints").glob("*") if d.name.isdigit()))
+  if not steps:
+    return set()
+  keep = {steps[-1]}
+  config = workdir / "config.json"
+  metric = (json.loads(config.read_text())["config"].get("checkpoint", {}).get("best_metric")
+            if config.exists() else None)
+  values = {}
+  for step in steps:
+    saved = workdir / "checkpoints" / str(step) / "metrics" / "metrics"
+    if metric and saved.exists():
+      values[step] = json.loads(saved.read_text()).get(metric, -math.inf)
+  if values:
+    keep.add(max(values, key=values.get))
+  return {str(step) for step in keep}
+
+
+def _pack_parts(workdir: pathlib.Path, path: pathlib.Path) -> list[pathlib.Path]:
+  """Packs `workdir` (its latest and best checkpoints) as path.000, path.001, ...
+
+  Each part holds at most PART_BYTES bytes; `_unpack_parts` joins them.
+  """
+  keep = _checkpoints_to_keep(workdir)
+
+  def wanted(info):
+    parts = pathlib.PurePosixPath(info.name).parts  # "checkpoints", step, ... ("./" dropped)
+    dropped = len(parts) > 1 and parts[0] == "checkpoints" and parts[1] not in keep
+    return None if dropped else info
+
+  path.parent.mkdir(parents=True, exist_ok=True)
+  whole = path.with_name(path.name + ".partial")
+  with tarfile.open(whole, "w:gz") as tar:
+    tar.add(workdir, arcname=".", filter=wanted)
+  parts = []
+  with open(whole, "rb") as source:
+    while chunk := source.read(PART_BYTES):
+      parts.append(path.with_name(f"{path.name}.{len(parts):03d}"))
+      parts[-1].write_bytes(chunk)
+  whole.unlink()
+  return parts
+
+
+def _unpack_parts(parts, workdir: pathlib.Path) -> None:
+  """Unpacks the parts `_pack_parts` wrote (in name order) into `workdir`."""
+  with tempfile.TemporaryFile() as whole:
+    for part in parts:
+      whole.write(part.read_bytes())
+    whole.seek(0)
+    with tarfile.open(fileobj=whole, mode="r:gz") as tar:
+      tar.extractall(workdir, filter="data")
+
+
 # A cut run is sent SIGTERM this long before `limit_s`: time to save its checkpoint.
 CUT_GRACE_S = 30.0
 
@@ -475,10 +541,12 @@ def part_quality(out: pathlib.Path, limit_s: int, names, at_once: bool = True,
   quality/<name>/.
 
   Runs longer than one device call (gSASRec's 90,000 steps) go on across
-  calls: with `keep`, a cut run's whole workdir is packed into
-  `keep`/<name>.tar.gz (back from the device with the call's files); with
-  `resume`, a `resume`/<name>.tar.gz carried to the device is unpacked as
-  the run's workdir first, and the run resumes from its checkpoint.
+  calls: with `keep`, a cut run's workdir (its latest and best checkpoints,
+  `_pack_parts`) is packed into `keep`/<name>.tar.gz.000, .001, ... (back
+  from the device with the call's files, each under the 16 MiB a file may
+  have); with `resume`, the parts `resume`/<name>.tar.gz.* carried to the
+  device are unpacked as the run's workdir first, and the run resumes from
+  its checkpoint.
   """
   cache = ROOT / "runs" / "data_cache"
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
@@ -492,11 +560,10 @@ def part_quality(out: pathlib.Path, limit_s: int, names, at_once: bool = True,
   result = {"limit_s": limit_s, "at_once": at_once, "runs": {}}
 
   def launch(name, config, overrides):
-    packed = resume / f"{name}.tar.gz" if resume is not None else None
-    if packed is not None and packed.exists() and not (folder / name).exists():
-      with tarfile.open(packed) as tar:
-        tar.extractall(folder / name, filter="data")
-      print(f"resuming {name} from {packed}", flush=True)
+    parts = sorted(resume.glob(f"{name}.tar.gz.*")) if resume is not None else []
+    if parts and not (folder / name).exists():
+      _unpack_parts(parts, folder / name)
+      print(f"resuming {name} from {', '.join(str(part) for part in parts)}", flush=True)
     command = [sys.executable, QUALITY_SCRIPT, "train", "--config", config,
                "--workdir", str(folder / name), "--out", str(folder / f"{name}.json")]
     for override in ["mesh.shape=(1,)", *overrides]:
@@ -512,10 +579,9 @@ def part_quality(out: pathlib.Path, limit_s: int, names, at_once: bool = True,
     log.close()
     report = folder / f"{name}.json"
     if keep is not None and not report.exists() and (folder / name).exists():
-      keep.mkdir(parents=True, exist_ok=True)
-      with tarfile.open(keep / f"{name}.tar.gz", "w:gz") as tar:
-        tar.add(folder / name, arcname=".")
-      print(f"kept {name}'s workdir in {keep / f'{name}.tar.gz'} (carry it to resume)", flush=True)
+      parts = _pack_parts(folder / name, keep / f"{name}.tar.gz")
+      print(f"kept {name}'s workdir in {', '.join(str(part) for part in parts)} "
+            "(carry them to resume)", flush=True)
     row = {"command": " ".join(command[1:]), "returncode": returncode,
            "seconds": round(time.perf_counter() - start, 1)}
     if report.exists():

@@ -24,9 +24,10 @@ Two commands:
             quality  runs of gpu_run.QUALITY_GRID (--runs), one after the
                      other (one process at a time can hold a TPU); a run
                      cut by --quality-s saves its checkpoint (SIGTERM) and
-                     its workdir comes back as <run>.tar.gz beside the
-                     bundle: put it in runs/device_resume/ (--resume),
-                     carry that folder, and the next call resumes it;
+                     its workdir (latest and best checkpoints) comes back
+                     as <run>.tar.gz.000, .001, ... beside the bundle: put
+                     them in runs/device_resume/ (--resume), carry that
+                     folder, and the next call resumes it;
             functions  benchmarks/float32_functions.py: the chip's float32
                      exp, log, tanh, ... and products against float64;
             exclude  benchmarks/exclude_bench.py: the softmax's window
@@ -163,8 +164,8 @@ def main() -> None:
   device.add_argument("--tests-s", type=int, default=180)
   device.add_argument("--quality-s", type=int, default=480)
   device.add_argument("--resume", default="runs/device_resume",
-                      help="a carried folder of <run>.tar.gz workdirs that an earlier call "
-                           "cut (packed beside --bundle): those runs resume from them")
+                      help="a carried folder of <run>.tar.gz.NNN workdir parts that an "
+                           "earlier call cut (packed beside --bundle): those runs resume from them")
   device.add_argument("--runs", nargs="+", default=list(gpu_run.NEXT_RUNS),
                       choices=[r[0] for r in gpu_run.QUALITY_GRID],
                       help="names of gpu_run.QUALITY_GRID, run in this order")

@@ -8,6 +8,7 @@ import pathlib
 import sys
 import tarfile
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -110,13 +111,43 @@ def test_a_cut_run_is_kept_and_the_next_call_resumes_it(tmp_path, monkeypatch):
     result = gpu_run.part_quality(out, 2, ["gsasrec_seed0"], at_once=False, resume=carried,
                                   keep=back)
     assert result["runs"]["gsasrec_seed0"]["returncode"] is None  # cut
-    with tarfile.open(back / "gsasrec_seed0.tar.gz") as tar:
+    (part,) = back.glob("gsasrec_seed0.tar.gz.*")
+    with tarfile.open(part) as tar:
       saved = json.loads(tar.extractfile("./checkpoint.json").read())
     assert saved == {"step": call + 1}
     carried.mkdir(exist_ok=True)
-    (back / "gsasrec_seed0.tar.gz").replace(carried / "gsasrec_seed0.tar.gz")
+    part.replace(carried / part.name)
   result = gpu_run.part_quality(tmp_path / "call3", 20, ["gsasrec_seed0"], at_once=False,
                                 resume=carried, keep=tmp_path / "back3")
   assert result["runs"]["gsasrec_seed0"]["returncode"] == 0
   assert result["runs"]["gsasrec_seed0"]["step"] == 3
   assert not (tmp_path / "back3").exists()  # a finished run's report is its result
+
+
+def test_a_kept_workdir_holds_the_latest_and_best_checkpoints_in_parts(tmp_path, monkeypatch):
+  # The trainer's layout: checkpoints/<step>/ with orbax's metrics item, the
+  # best metric named in config.json; here the best (3250) is the oldest.
+  workdir = tmp_path / "run"
+  (workdir / "config.json").parent.mkdir(parents=True)
+  (workdir / "config.json").write_text(json.dumps({"config": {"checkpoint": {
+      "best_metric": "ndcg@10"}}}))
+  (workdir / "metrics.jsonl").write_text('{"step": 4838}\n')
+  rng = np.random.default_rng(0)
+  states = {}
+  for step, ndcg in ((3250, 0.21), (4750, 0.20), (4838, 0.19)):
+    folder = workdir / "checkpoints" / str(step)
+    (folder / "metrics").mkdir(parents=True)
+    (folder / "metrics" / "metrics").write_text(json.dumps({"ndcg@10": ndcg}))
+    states[step] = rng.bytes(3000)  # incompressible, like trained weights
+    (folder / "state").write_bytes(states[step])
+  monkeypatch.setattr(gpu_run, "PART_BYTES", 2500)
+  parts = gpu_run._pack_parts(workdir, tmp_path / "back" / "run.tar.gz")  # pylint: disable=protected-access
+  assert [part.name for part in parts] == [f"run.tar.gz.{i:03d}" for i in range(len(parts))]
+  assert len(parts) >= 3 and all(part.stat().st_size <= 2500 for part in parts)
+  assert not (tmp_path / "back" / "run.tar.gz.partial").exists()
+  gpu_run._unpack_parts(parts, tmp_path / "again")  # pylint: disable=protected-access
+  again = tmp_path / "again"
+  assert sorted(d.name for d in (again / "checkpoints").iterdir()) == ["3250", "4838"]
+  for step in (3250, 4838):
+    assert (again / "checkpoints" / str(step) / "state").read_bytes() == states[step]
+  assert (again / "metrics.jsonl").read_text() == '{"step": 4838}\n'
