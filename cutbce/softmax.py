@@ -204,8 +204,10 @@ def partition(row_max, row_sum, target_logits, target_mask, count: int):
   a float32 number with float32's relative precision however close p_tp is
   to 1, where reading it off lse_t - x_tp (~1e-5 next to lse_t ~ 7, whose
   float32 spacing is ~5e-7) keeps one or two digits. Targets past `count`
-  (kernels that compare few ids) keep -expm1(x_tp - lse_t). 0 where not
-  `target_mask`. lse_t is +inf for a token with no item (its gradient is 0).
+  (kernels that compare few ids) keep -expm1(x_tp - lse_t). Both from
+  `numerics` (a TPU's own sigmoid and expm1 err by tens to hundreds of ulp).
+  0 where not `target_mask`. lse_t is +inf for a token with no item (its
+  gradient is 0).
 
   Args:
     row_max, row_sum: `[T]` f32, (max, sum exp(x - max)) over the rest.
@@ -223,8 +225,8 @@ def partition(row_max, row_sum, target_logits, target_mask, count: int):
   others = jnp.where(jnp.eye(count, dtype=bool)[None], -jnp.inf, x[:, None, :])  # [T, K, K]
   lse_minus = _add_terms(jnp.broadcast_to(rest[:, None], others.shape[:2]), others)  # [T, K]
   complement = jnp.where(
-      separated, jax.nn.sigmoid(lse_minus - jnp.where(separated, x, 0.0)), 0.0)
-  tail = -jnp.expm1(target_logits[:, count:] - lse[:, None])
+      separated, numerics.sigmoid(lse_minus - jnp.where(separated, x, 0.0)), 0.0)
+  tail = -numerics.expm1(target_logits[:, count:] - lse[:, None])
   tail = jnp.where(target_mask[:, count:], tail, 0.0)
   return lse, jnp.concatenate([complement, tail], axis=-1)
 

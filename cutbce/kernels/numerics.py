@@ -11,6 +11,13 @@ shifted by k times the bias, and its p then summed to 1 - k b rather than 1
 (dE and db, sums over tokens, kept that error; tests/cutbce/test_emulated_exp.py).
 A few dozen multiply-adds per token cost nothing beside the sweep.
 
+`expm1` and `sigmoid` serve the softmax's targets (a few per token): 1 - p_tp
+is a sigmoid of the other items' log-sum-exp less x_tp, or -expm1(x_tp - lse_t).
+The chip's own err by up to 990 ulp (expm1) and 48 ulp (sigmoid), so a
+confident target's 1 - p, and dE's row for it, kept a relative error of
+3e-6 where dense's p - 1 (p read off a sum that holds p's own exp) kept
+float32's (tests/cutbce/test_precision.py on the chip, 2026-12-07).
+
 Inputs are float32; both functions are elementwise and lower in XLA and in
 Mosaic (Pallas TPU) alike.
 """
@@ -73,3 +80,32 @@ def log(x):
   log_m = 2.0 * s + 2.0 * s * series
   value = (exponent * LN2_HIGH + (log_m + exponent * LN2_LOW))
   return jnp.where(x > 0, value, -jnp.inf)
+
+
+def expm1(x):
+  """float32 exp(x) - 1 for x <= ln 2 / 2 (1 - p of a target: x = x_tp - lse_t <= 0).
+
+  Near 0 (|x| < ln 2 / 2) by Taylor to x^10 (the first term left out is under
+  2^-30 of the result), so no digit is lost to the subtraction; below,
+  `exp(x) - 1` (exp(x) <= 0.71: the subtraction keeps every digit).
+  """
+  x = x.astype(jnp.float32)
+  near = jnp.abs(x) < np.float32(0.34657359)
+  small = jnp.where(near, x, 0.0)
+  series = jnp.ones_like(small)
+  for k in range(10, 1, -1):
+    series = 1.0 + series * small * np.float32(1.0 / k)
+  return jnp.where(near, small * series, exp(jnp.minimum(x, 0.0)) - 1.0)
+
+
+def sigmoid(z):
+  """float32 1 / (1 + exp(-z)) for any z, within a few ulp; NaN stays NaN.
+
+  With e = exp(-|z|) <= 1 (`exp`): 1 / (1 + e) for z >= 0, e / (1 + e)
+  below; one rounding in 1 + e and one in the division. Results under 2^-126
+  (z < -87.3) are 0.
+  """
+  z = z.astype(jnp.float32)
+  e = exp(-jnp.abs(jnp.where(jnp.isnan(z), 0.0, z)))
+  value = jnp.where(z >= 0, 1.0, e) / (1.0 + e)
+  return jnp.where(jnp.isnan(z), z, value)

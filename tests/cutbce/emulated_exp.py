@@ -1,6 +1,6 @@
 """Runs `test_precision`'s confident-target check with a TPU-like float32 exp on CPU.
 
-    python -m tests.cutbce.emulated_exp ROUTE AMPLITUDE BIAS [GRADIENTS [SMOOTHING]]
+    python -m tests.cutbce.emulated_exp ROUTE AMPLITUDE BIAS [GRADIENTS [SMOOTHING [OTHERS]]]
 
 A TPU v5e's float32 exp is off by up to 68 ulp (8.1e-6 relative), with a mean
 of -6.9 ulp (docs/results/tpu_v5e/float32_functions.log); this machine's is
@@ -12,8 +12,9 @@ deterministic stand-in for the chip's error, then checks ROUTE's softmax
 gradients ("xla", "pallas_tpu" or "sharded": XLA on a 2 x 2 mesh) against
 the dense reference's under the same exp (the rule of
 `tests/cutbce/test_precision.py`), all of them or those named in GRADIENTS
-("dh,dE,db"), with label smoothing SMOOTHING (default 0). Exit status 0: the
-rule holds; 1: it fails (the message says where).
+("dh,dE,db"), with label smoothing SMOOTHING (default 0); OTHERS > 0 makes
+float32 sigmoid and expm1 err too, by 1 + OTHERS sin(7654.321 x). Exit status
+0: the rule holds; 1: it fails (the message says where).
 """
 
 from __future__ import annotations
@@ -58,9 +59,40 @@ def emulate_exp(amplitude: float, bias: float) -> None:
   mlir.register_lowering(lax.exp_p, mlir.lower_fun(exp, multiple_results=False), platform="cpu")
 
 
+def emulate_sigmoid_and_expm1(amplitude: float) -> None:
+  """Makes float32 sigmoid (logistic) and expm1 err like `emulate_exp`'s sine.
+
+  The chip's err by up to 48 ulp (sigmoid) and 990 ulp (expm1); relative to
+  their results here, without a bias.
+  """
+
+  def wobble(x, value):
+    finite = jnp.clip(jnp.where(jnp.isfinite(x), x, 0.0), -1e3, 1e3)
+    return value * (1 + amplitude * jnp.sin(finite * np.float32(7654.321)))
+
+  def logistic(z, **_):
+    z = z.astype(jnp.float32)
+    e = accurate_exp(-jnp.abs(z))
+    return wobble(z, jnp.where(z >= 0, 1.0, e) / (1.0 + e))
+
+  def expm1(x, **_):
+    x = x.astype(jnp.float32)
+    near = jnp.abs(x) < 0.25
+    small = jnp.where(near, x, 0.0)
+    series = jnp.ones_like(small)
+    for k in range(11, 1, -1):
+      series = 1 + series * small / np.float32(k)
+    return wobble(x, jnp.where(near, small * series, accurate_exp(x) - 1))
+
+  for primitive, fn in ((lax.logistic_p, logistic), (lax.expm1_p, expm1)):
+    mlir.register_lowering(primitive, mlir.lower_fun(fn, multiple_results=False), platform="cpu")
+
+
 def main(route: str, amplitude: float, bias: float, gradients: str = "dh,dE,db",
-         smoothing: str = "0") -> int:
+         smoothing: str = "0", others: str = "0") -> int:
   emulate_exp(amplitude, bias)
+  if float(others):
+    emulate_sigmoid_and_expm1(float(others))
   import cutbce  # pylint: disable=import-outside-toplevel
   from cutbce.sharding import sharded_cut_softmax_ce  # pylint: disable=import-outside-toplevel
   from tests.cutbce import test_precision as rule  # pylint: disable=import-outside-toplevel

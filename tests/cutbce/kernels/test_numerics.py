@@ -62,7 +62,30 @@ def test_property_exp_and_log(x, y):
   assert abs(got - want) <= 2 * np.spacing(np.float32(max(abs(want), 1e-3)))
 
 
-@pytest.mark.parametrize("fn", [numerics.exp, numerics.log])
+def test_expm1_is_within_two_ulps_for_a_targets_arguments():
+  rng = np.random.default_rng(2)
+  x = np.concatenate([-rng.uniform(0, 87, 50_000), -np.exp(rng.uniform(-40, 0, 50_000)),
+                      rng.uniform(0, 0.34, 5_000), [-0.34657359, -0.3466, 0.0, -1e-30]]
+                     ).astype(np.float32)
+  got = np.asarray(jax.jit(numerics.expm1)(x), np.float64)
+  want = np.expm1(x.astype(np.float64))
+  assert np.max(_ulps(got[x != 0], want[x != 0])) < 2.0
+  assert got[x == 0].tolist() == [0.0]
+
+
+def test_sigmoid_is_within_three_ulps_and_keeps_nan():
+  rng = np.random.default_rng(3)
+  z = np.concatenate([rng.uniform(-87, 87, 100_000), rng.normal(size=10_000) * 1e-3,
+                      [0.0, 87.0, 200.0, np.inf, -np.inf]]).astype(np.float32)
+  got = np.asarray(jax.jit(numerics.sigmoid)(z), np.float64)
+  want = 1 / (1 + np.exp(-z.astype(np.float64)))
+  assert np.max(_ulps(got, want)) < 3.0
+  assert got[-3:].tolist() == [1.0, 1.0, 0.0]
+  assert np.isnan(numerics.sigmoid(jnp.float32(np.nan)))
+  assert float(numerics.sigmoid(jnp.float32(-100.0))) == 0.0  # under 2^-126
+
+
+@pytest.mark.parametrize("fn", [numerics.exp, numerics.log, numerics.expm1, numerics.sigmoid])
 def test_no_exp_or_log_primitive(fn):
   """The point of them: the platform's exp and log (a TPU's err by tens of ulps) are not called."""
   primitives = {eqn.primitive.name for eqn in jax.make_jaxpr(fn)(jnp.ones(4)).jaxpr.eqns}
