@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cutbce.kernels import numerics
+
 # The public keyword arguments of the variants, in signature order.
 OPTION_NAMES = ("pos_weight", "label_smoothing", "logit_soft_cap", "focal_gamma", "focal_alpha")
 
@@ -177,9 +179,16 @@ def tile_value(options: LossOptions, x):
 
 
 def tile_grad(options: LossOptions, x):
-  """d tile_value / dx: sigmoid(x) for affine options, f'(x, 0) otherwise."""
+  """d tile_value / dx: sigmoid(x) for affine options, f'(x, 0) otherwise.
+
+  sigmoid(x) as `tile_value_and_grad` makes it, from one exp(-|x|): the
+  two-pass backward's p are then the one-pass backward's, the platform's
+  exp the only transcendental (a TPU's float32 sigmoid errs by up to 48 ulp
+  and broke the two-pass dE where the one-pass kept the rule).
+  """
   if options.is_affine:
-    return jax.nn.sigmoid(x)
+    decay = jnp.exp(-jnp.abs(x))
+    return jnp.where(x >= 0, 1.0, decay) / (1.0 + decay)
   return _value_and_derivative(lambda z: elementwise_loss(options, z, 0), x)[1]
 
 
@@ -219,7 +228,7 @@ def target_column_grad(options: LossOptions, x):
   (sigmoid(7) = 0.99909 is 1.0 in bfloat16, and 1.0 - 1 = 0).
   """
   if options.is_plain:
-    return -jax.nn.sigmoid(-x)
+    return -numerics.sigmoid(-x)  # within 3 ulp, a few per token (a TPU's sigmoid: 48)
   _, slope = options.affine_coefficients()
   return _value_and_derivative(lambda z: elementwise_loss(options, z, 1) + slope * z, x)[1]
 

@@ -10,7 +10,8 @@ jit caches would otherwise carry it into other tests) as an accurate exp
 built from other primitives, times 1 + AMPLITUDE sin(12345.678 x) + BIAS, a
 deterministic stand-in for the chip's error, then checks ROUTE's softmax
 gradients ("xla", "pallas_tpu" or "sharded": XLA on a 2 x 2 mesh) against
-the dense reference's under the same exp (the rule of
+the dense reference's under the same exp (ROUTE "bce/xla", "bce/xla-two-pass"
+or "bce/pallas_tpu": `cut_bce`'s; the rule of
 `tests/cutbce/test_precision.py`), all of them or those named in GRADIENTS
 ("dh,dE,db"), with label smoothing SMOOTHING (default 0); OTHERS > 0 makes
 float32 sigmoid and expm1 err too, by 1 + OTHERS sin(7654.321 x). Exit status
@@ -96,6 +97,8 @@ def main(route: str, amplitude: float, bias: float, gradients: str = "dh,dE,db",
   import cutbce  # pylint: disable=import-outside-toplevel
   from cutbce.sharding import sharded_cut_softmax_ce  # pylint: disable=import-outside-toplevel
   from tests.cutbce import test_precision as rule  # pylint: disable=import-outside-toplevel
+  if route.startswith("bce/"):
+    return _check_bce(rule, route.removeprefix("bce/"), gradients)
   if route == "sharded":
     fn = functools.partial(sharded_cut_softmax_ce, mesh=rule._mesh(), token_axes=("data",),  # pylint: disable=protected-access
                            vocab_axis="model", backend="xla", plan=rule.PLANS["xla"])
@@ -111,6 +114,26 @@ def main(route: str, amplitude: float, bias: float, gradients: str = "dh,dE,db",
     rule._check_no_worse_than_dense(got, dense, oracle, jnp.float32,  # pylint: disable=protected-access
                                     f"cut_softmax_ce {route} under exp x (1 + {amplitude} sin + {bias})",
                                     rule.softmax_db_scale(rule._inputs(jnp.float32), **options))  # pylint: disable=protected-access
+  except AssertionError as error:
+    print(str(error).split("\n")[0])
+    return 1
+  print("holds")
+  return 0
+
+
+def _check_bce(rule, route: str, gradients: str) -> int:
+  """`test_precision`'s BCE check for ROUTE "xla", "xla-two-pass" or "pallas_tpu"."""
+  import cutbce  # pylint: disable=import-outside-toplevel
+  backend = route.split("-")[0]
+  fn = functools.partial(cutbce.cut_bce, backend=backend, plan=rule.PLANS[backend],
+                         one_pass=not route.endswith("two-pass"))
+  picked = [name in gradients.split(",") for name in ("dh", "dE", "db")]
+  pick = lambda grads: tuple(g if keep else 0 * g for g, keep in zip(grads, picked))  # noqa: E731
+  got = pick(rule._grads(fn, jnp.float32, vocab_reduction="sum"))  # pylint: disable=protected-access
+  dense = pick(rule._dense_grads("bce", jnp.float32))  # pylint: disable=protected-access
+  oracle = pick(rule._oracle("bce", jnp.float32))  # pylint: disable=protected-access
+  try:
+    rule._check_no_worse_than_dense(got, dense, oracle, jnp.float32, f"cut_bce {route}")  # pylint: disable=protected-access
   except AssertionError as error:
     print(str(error).split("\n")[0])
     return 1
