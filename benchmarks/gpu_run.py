@@ -460,8 +460,12 @@ LATER_RUNS = ("replica_3000_seed0", "best_sampled_softmax_k128_seed0",
 
 QUALITY_SCRIPT = "benchmarks/ml1m_quality.py"
 # A kept workdir comes back in parts of at most this many bytes (a device
-# call returns files of up to 16 MiB each, 64 MiB in all).
+# call returns files of up to 16 MiB each, 64 MiB in all), and only if what
+# it keeps holds at most KEEP_BYTES: the next call must carry it beside
+# .whl-tpu and runs/data_cache (29 MiB) within its 64 MiB. A larger run (the
+# 10^6-item catalog's, 874 MB of state) has to finish within one call.
 PART_BYTES = 15 * 2**20
+KEEP_BYTES = 32 * 2**20
 
 
 def _checkpoints_to_keep(workdir: pathlib.Path) -> set[str]:
@@ -492,13 +496,23 @@ def _pack_parts(workdir: pathlib.Path, path: pathlib.Path) -> list[pathlib.Path]
   """Packs `workdir` (its latest and best checkpoints) as path.000, path.001, ...
 
   Each part holds at most PART_BYTES bytes; `_unpack_parts` joins them.
+  Raises ValueError, packing nothing, when the files kept exceed KEEP_BYTES.
   """
   keep = _checkpoints_to_keep(workdir)
 
+  def dropped(relative: pathlib.PurePath) -> bool:
+    parts = relative.parts  # "checkpoints", step, ...
+    return len(parts) > 1 and parts[0] == "checkpoints" and parts[1] not in keep
+
+  size = sum(f.stat().st_size for f in workdir.rglob("*")
+             if f.is_file() and not dropped(f.relative_to(workdir)))
+  if size > KEEP_BYTES:
+    raise ValueError(f"{workdir.name}'s latest and best checkpoints hold {size / 2**20:.0f} MiB, "
+                     f"more than the {KEEP_BYTES / 2**20:.0f} MiB a device call can carry back "
+                     "and forth: this run has to finish within one call")
+
   def wanted(info):
-    parts = pathlib.PurePosixPath(info.name).parts  # "checkpoints", step, ... ("./" dropped)
-    dropped = len(parts) > 1 and parts[0] == "checkpoints" and parts[1] not in keep
-    return None if dropped else info
+    return None if dropped(pathlib.PurePosixPath(info.name)) else info  # "./" dropped
 
   path.parent.mkdir(parents=True, exist_ok=True)
   whole = path.with_name(path.name + ".partial")
@@ -579,9 +593,12 @@ def part_quality(out: pathlib.Path, limit_s: int, names, at_once: bool = True,
     log.close()
     report = folder / f"{name}.json"
     if keep is not None and not report.exists() and (folder / name).exists():
-      parts = _pack_parts(folder / name, keep / f"{name}.tar.gz")
-      print(f"kept {name}'s workdir in {', '.join(str(part) for part in parts)} "
-            "(carry them to resume)", flush=True)
+      try:
+        parts = _pack_parts(folder / name, keep / f"{name}.tar.gz")
+        print(f"kept {name}'s workdir in {', '.join(str(part) for part in parts)} "
+              "(carry them to resume)", flush=True)
+      except ValueError as error:
+        print(f"not kept: {error}", flush=True)
     row = {"command": " ".join(command[1:]), "returncode": returncode,
            "seconds": round(time.perf_counter() - start, 1)}
     if report.exists():

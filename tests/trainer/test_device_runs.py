@@ -151,3 +151,13 @@ def test_a_kept_workdir_holds_the_latest_and_best_checkpoints_in_parts(tmp_path,
   for step in (3250, 4838):
     assert (again / "checkpoints" / str(step) / "state").read_bytes() == states[step]
   assert (again / "metrics.jsonl").read_text() == '{"step": 4838}\n'
+
+
+def test_a_workdir_too_large_to_carry_is_not_packed(tmp_path, monkeypatch):
+  workdir = tmp_path / "run"
+  (workdir / "checkpoints" / "10").mkdir(parents=True)
+  (workdir / "checkpoints" / "10" / "state").write_bytes(bytes(3000))
+  monkeypatch.setattr(gpu_run, "KEEP_BYTES", 2000)
+  with pytest.raises(ValueError, match="has to finish within one call"):
+    gpu_run._pack_parts(workdir, tmp_path / "back" / "run.tar.gz")  # pylint: disable=protected-access
+  assert not (tmp_path / "back").exists()
