@@ -607,7 +607,7 @@ def _backward_tile(vocab_index, *, refs, geom: _Geometry, rows_in_chunk: int,
         count_ref[rows, :] += jnp.sum(
             positive.astype(jnp.float32), axis=1, keepdims=True).astype(jnp.int32)
     else:
-      derivative = variants.tile_grad(options, logits)
+      derivative = variants.tile_grad(options, logits, sigmoid=variants.sigmoid_from_exp)
     grad = derivative if softmax else scale * derivative  # [block_t, block_v] f32
     if valid is not None and not softmax:
       grad = jnp.where(valid, grad, 0.0)

@@ -14,7 +14,8 @@ the dense reference's under the same exp (ROUTE "bce/xla", "bce/xla-two-pass"
 or "bce/pallas_tpu": `cut_bce`'s; the rule of
 `tests/cutbce/test_precision.py`), all of them or those named in GRADIENTS
 ("dh,dE,db"), with label smoothing SMOOTHING (default 0); OTHERS > 0 makes
-float32 sigmoid and expm1 err too, by 1 + OTHERS sin(7654.321 x). Exit status
+float32 sigmoid and expm1 err too, by 1 + OTHERS sin(7654.321 x), and
+treats this CPU as a TPU (`variants.EXP_SIGMOID_PLATFORMS`). Exit status
 0: the rule holds; 1: it fails (the message says where).
 """
 
@@ -94,6 +95,8 @@ def main(route: str, amplitude: float, bias: float, gradients: str = "dh,dE,db",
   emulate_exp(amplitude, bias)
   if float(others):
     emulate_sigmoid_and_expm1(float(others))
+    from cutbce import variants  # pylint: disable=import-outside-toplevel
+    variants.EXP_SIGMOID_PLATFORMS += ("cpu",)  # this CPU stands in for the TPU
   import cutbce  # pylint: disable=import-outside-toplevel
   from cutbce.sharding import sharded_cut_softmax_ce  # pylint: disable=import-outside-toplevel
   from tests.cutbce import test_precision as rule  # pylint: disable=import-outside-toplevel

@@ -104,11 +104,11 @@ def test_dE_and_db_keep_the_rule_under_a_tpu_like_sigmoid_and_expm1(route):
 
 @pytest.mark.parametrize("route", ["bce/xla", "bce/xla-two-pass", "bce/pallas_tpu"])
 def test_bce_keeps_the_rule_under_a_tpu_like_sigmoid(route):
-  # The two-pass backward took the platform's sigmoid per logit and a target's
-  # column was -sigmoid(-x) from it: on the chip the two-pass dE broke the
-  # rule (2.8e-6 of a row against dense's 6.1e-7) where the one-pass, whose p
-  # come from exp(-|x|), kept it. Here, with the sigmoid erring like the
-  # chip's, dh failed on every route (5.5e-6 against 6.6e-8); now the tiles'
-  # sigmoid is made from exp as the one-pass makes it, a target's from
-  # `numerics.sigmoid`.
+  # The two-pass backward took JAX's sigmoid per logit and a target's column
+  # was -sigmoid(-x) by it: on the chip the two-pass dE broke the rule (2.8e-6
+  # of a row against dense's 6.1e-7) where the one-pass, whose p come from
+  # exp(-|x|), kept it. Here (this CPU taken for a TPU), with the sigmoid
+  # erring on its own like the chip's, dh failed on every route (5.5e-6
+  # against 6.6e-8); now a TPU's tiles make sigmoid from exp as the one-pass
+  # does (`variants.tile_sigmoid`), a target's column by `numerics.sigmoid`.
   _check_rule(route, 0.0, 0.0, others=TPU_LIKE_SIGMOID)

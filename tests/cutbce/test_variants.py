@@ -296,3 +296,23 @@ def test_weights_get_no_gradient(backend):
         f32(data["hidden"]), f32(data["table"]), data["targets"], w, reduction=reduction,
         backend=backend)))(f32(data["weights"]))
     assert not np.any(np.asarray(grad)), reduction
+
+
+def _lowered(fn, platform):
+  return jax.jit(fn).trace(jnp.ones((4, 8))).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_tiles_make_sigmoid_from_exp_of_non_positive_arguments_on_a_tpu():
+  """A TPU's tiles take exp(-|x|) (the one-pass backward's form), others the platform's sigmoid.
+
+  JAX lowers sigmoid as 1 / (1 + exp(-x)): exp of positive arguments for
+  x < 0. On a TPU v5e the two-pass BCE dE that took it broke the precision
+  rule where the one-pass, from exp(-|x|), kept it; on this CPU that form
+  costs 3-10x the platform's.
+  """
+  tile = lambda x: variants.tile_grad(variants.PLAIN, x)  # noqa: E731
+  assert "stablehlo.abs" in _lowered(tile, "tpu")
+  assert "stablehlo.abs" not in _lowered(tile, "cpu")
+  x = jnp.linspace(-80.0, 80.0, 4001)
+  np.testing.assert_allclose(variants.sigmoid_from_exp(x), jax.nn.sigmoid(x), rtol=2e-6,
+                             atol=0)

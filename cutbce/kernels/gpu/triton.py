@@ -349,7 +349,7 @@ def _hidden_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOpti
       if with_counts:
         count = count + jnp.sum((logits > 0.0) & valid, axis=1, dtype=jnp.int32)
     else:
-      derivative = variants.tile_grad(options, logits)
+      derivative = variants.tile_grad(options, logits, sigmoid=jax.nn.sigmoid)
     grad = jnp.where(valid, scale[:, None] * derivative, 0.0)  # [block_t, block_v] f32
     grad = _set_fixed(grad, tile * geom.block_v, fixed, geom)  # exact terms, before the cast
     hidden_grad = hidden_grad + _dot(grad.astype(compute_dtype), table, NN_DIMS)  # [block_t, D]
@@ -429,7 +429,7 @@ def _table_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOptio
   def tile_grad(token_start, hidden):
     scale = _load_vector(scale_ref, token_start, geom.block_t, geom.num_tokens)  # 0 past T
     logits = _tile_logits(hidden, table, bias)  # [block_t, block_v] f32
-    grad = jnp.where(valid, scale[:, None] * variants.tile_grad(options, logits), 0.0)
+    grad = jnp.where(valid, scale[:, None] * variants.tile_grad(options, logits, sigmoid=jax.nn.sigmoid), 0.0)
     return _set_fixed(grad, vocab_start, _load_fixed(fixed_refs, token_start, num_fixed, geom),
                       geom)
 
