@@ -178,10 +178,12 @@ def tile_value(options: LossOptions, x):
   return elementwise_loss(options, x, 0)
 
 
-# Platforms whose float32 sigmoid is not float32's (a TPU v5e's errs by up to
-# 48 ulp, docs/results/tpu_v5e/float32_functions.log): there the tiles make
-# it from exp(-|x|), as `tile_value_and_grad` does; elsewhere the platform's
-# own is as accurate and faster (10x on this CPU, a [4096, 8192] tile).
+# Platforms where the tiles make sigmoid from exp(-|x|), as
+# `tile_value_and_grad` does. JAX lowers sigmoid as 1 / (1 + exp(-x)), exp
+# at positive arguments for x < 0; a TPU v5e's float32 exp errs by up to 68
+# ulp (docs/results/tpu_v5e/float32_functions.log), and there the two-pass
+# BCE dE that took JAX's sigmoid broke the precision rule where the one-pass,
+# from exp(-|x|), kept it. Elsewhere JAX's is 3-10x faster (this CPU).
 EXP_SIGMOID_PLATFORMS = ("tpu",)
 
 

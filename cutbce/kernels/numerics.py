@@ -11,14 +11,15 @@ shifted by k times the bias, and its p then summed to 1 - k b rather than 1
 (dE and db, sums over tokens, kept that error; tests/cutbce/test_emulated_exp.py).
 A few dozen multiply-adds per token cost nothing beside the sweep.
 
-`expm1` and `sigmoid` serve the softmax's targets (a few per token): 1 - p_tp
-is a sigmoid of the other items' log-sum-exp less x_tp, or -expm1(x_tp - lse_t).
+`expm1` and `sigmoid` serve the targets (a few per token): the softmax's 1 - p_tp
+is a sigmoid of the other items' log-sum-exp less x_tp, or -expm1(x_tp - lse_t);
+BCE's target column is -sigmoid(-x_tp).
 The chip's own err by up to 990 ulp (expm1) and 48 ulp (sigmoid), so a
 confident target's 1 - p, and dE's row for it, kept a relative error of
 3e-6 where dense's p - 1 (p read off a sum that holds p's own exp) kept
 float32's (tests/cutbce/test_precision.py on the chip, 2026-12-07).
 
-Inputs are float32; both functions are elementwise and lower in XLA and in
+Inputs are float32; the functions are elementwise and lower in XLA and in
 Mosaic (Pallas TPU) alike.
 """
 

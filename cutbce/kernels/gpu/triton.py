@@ -429,7 +429,8 @@ def _table_grad_kernel(*refs, geom: Geometry, has_bias: bool, options: LossOptio
   def tile_grad(token_start, hidden):
     scale = _load_vector(scale_ref, token_start, geom.block_t, geom.num_tokens)  # 0 past T
     logits = _tile_logits(hidden, table, bias)  # [block_t, block_v] f32
-    grad = jnp.where(valid, scale[:, None] * variants.tile_grad(options, logits, sigmoid=jax.nn.sigmoid), 0.0)
+    derivative = variants.tile_grad(options, logits, sigmoid=jax.nn.sigmoid)
+    grad = jnp.where(valid, scale[:, None] * derivative, 0.0)
     return _set_fixed(grad, vocab_start, _load_fixed(fixed_refs, token_start, num_fixed, geom),
                       geom)
 
