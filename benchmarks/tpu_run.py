@@ -38,6 +38,7 @@ Two commands:
 
     python benchmarks/tpu_run.py wheels
     bash benchmarks/tpu_run.sh --parts tests loss train       # on the TPU machine
+    bash benchmarks/tpu_run.sh --parts tests --tests tests/cutbce/test_precision.py --tests-s 200
     # a run longer than one call (carry .whl-tpu, runs/data_cache, runs/device_resume):
     bash benchmarks/tpu_run.sh --parts quality --runs gsasrec_seed0 --quality-s 540
 """
@@ -139,7 +140,7 @@ def cmd_device(args) -> None:
   parts = {"environment": lambda: chip("environment"),
            "functions": functions,
            "exclude": exclude,
-           "tests": lambda: gpu_run.part_tests(out, args.tests_s, TPU_TESTS, stop_first=False),
+           "tests": lambda: gpu_run.part_tests(out, args.tests_s, args.tests, stop_first=False),
            "loss": lambda: chip("loss"),
            "train": lambda: chip("train"),
            "quality": lambda: gpu_run.part_quality(
@@ -162,6 +163,8 @@ def main() -> None:
   device.add_argument("--parts", nargs="+", default=["tests", "loss", "train"],
                       choices=["tests", "loss", "train", "quality", "functions", "exclude"])
   device.add_argument("--tests-s", type=int, default=180)
+  device.add_argument("--tests", nargs="+", default=list(TPU_TESTS),
+                      help="the test files (or pytest node ids) of --parts tests")
   device.add_argument("--quality-s", type=int, default=480)
   device.add_argument("--resume", default="runs/device_resume",
                       help="a carried folder of <run>.tar.gz.NNN workdir parts that an "

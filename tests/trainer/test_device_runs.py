@@ -70,6 +70,21 @@ def test_bundle_keeps_reports_and_logs_not_checkpoints(tmp_path):
                    "quality/run/metrics.jsonl"]
 
 
+def test_device_tests_part_runs_the_files_named(tmp_path, monkeypatch):
+  seen = {}
+  monkeypatch.setattr(gpu_run, "part_tests",
+                      lambda out, limit_s, tests, stop_first: seen.update(
+                          limit_s=limit_s, tests=list(tests), stop_first=stop_first))
+  monkeypatch.setattr(gpu_run, "run_parts",
+                      lambda out, parts, names, after_each: [parts[n]() for n in names[1:]])
+  monkeypatch.setattr(sys, "argv", ["tpu_run.py", "device", "--out", str(tmp_path), "--parts",
+                                    "tests", "--tests", "tests/cutbce/test_precision.py",
+                                    "--tests-s", "200"])
+  tpu_run.main()
+  assert seen == {"limit_s": 200, "tests": ["tests/cutbce/test_precision.py"],
+                  "stop_first": False}
+
+
 def test_device_parts_are_checked_by_name():
   with pytest.raises(SystemExit):
     sys.argv = ["tpu_run.py", "device", "--out", "x", "--parts", "speed"]
