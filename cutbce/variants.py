@@ -149,7 +149,7 @@ def elementwise_loss(options: LossOptions, x, label: int):
   gamma = options.focal_gamma
   if gamma:
     if float(gamma).is_integer() or options.label_smoothing:
-      p = jnp.where(x >= 0, 1.0, decay) / (1.0 + decay)  # sigmoid(x)
+      p = sigmoid_from_exp(x, decay)
       # 1 - p_t = y'(1 - p) + (1 - y') p, in [min(y', 1-y'), max(y', 1-y')].
       base = smoothed + (1.0 - 2.0 * smoothed) * p
       if float(gamma).is_integer():
@@ -187,9 +187,13 @@ def tile_value(options: LossOptions, x):
 EXP_SIGMOID_PLATFORMS = ("tpu",)
 
 
-def sigmoid_from_exp(x):
-  """sigmoid(x) = [x >= 0 ? 1 : e] / (1 + e) with e = exp(-|x|): exp the only transcendental."""
-  decay = jnp.exp(-jnp.abs(x))
+def sigmoid_from_exp(x, decay=None):
+  """sigmoid(x) = [x >= 0 ? 1 : e] / (1 + e) with e = exp(-|x|): exp the only transcendental.
+
+  `decay`: e when the caller has it already (it shares it with softplus).
+  """
+  if decay is None:
+    decay = jnp.exp(-jnp.abs(x))
   return jnp.where(x >= 0, 1.0, decay) / (1.0 + decay)
 
 
@@ -221,7 +225,7 @@ def tile_value_and_grad(options: LossOptions, x):
   if options.is_affine:
     decay = jnp.exp(-jnp.abs(x))
     value = jnp.maximum(x, 0.0) + jnp.log1p(decay)
-    return value, jnp.where(x >= 0, 1.0, decay) / (1.0 + decay)
+    return value, sigmoid_from_exp(x, decay)
   return _value_and_derivative(lambda z: elementwise_loss(options, z, 0), x)
 
 

@@ -99,51 +99,52 @@ def main(route: str, amplitude: float, bias: float, gradients: str = "dh,dE,db",
     emulate_sigmoid_and_expm1(float(others))
     from cutbce import variants  # pylint: disable=import-outside-toplevel
     variants.EXP_SIGMOID_PLATFORMS += ("cpu",)  # this CPU stands in for the TPU
-  import cutbce  # pylint: disable=import-outside-toplevel
-  from cutbce.sharding import sharded_cut_softmax_ce  # pylint: disable=import-outside-toplevel
   from tests.cutbce import test_precision as rule  # pylint: disable=import-outside-toplevel
   if route.startswith("bce/"):
-    return _check_bce(rule, route.removeprefix("bce/"), gradients)
+    got, dense, oracle, db_scale = _bce_grads(rule, route.removeprefix("bce/"))
+    what = f"cut_bce {route.removeprefix('bce/')}"
+  else:
+    got, dense, oracle, db_scale = _softmax_grads(rule, route, float(smoothing))
+    what = f"cut_softmax_ce {route}"
+  picked = [name in gradients.split(",") for name in ("dh", "dE", "db")]
+  pick = lambda grads: tuple(g if keep else 0 * g for g, keep in zip(grads, picked))  # noqa: E731
+  try:
+    rule._check_no_worse_than_dense(pick(got), pick(dense), pick(oracle), jnp.float32,  # pylint: disable=protected-access
+                                    f"{what} under exp x (1 + {amplitude} sin + {bias})",
+                                    db_scale)
+  except AssertionError as error:
+    print(str(error).split("\n")[0])
+    return 1
+  print("holds")
+  return 0
+
+
+def _softmax_grads(rule, route: str, smoothing: float):
+  """(cut, dense, float64) gradients and db's scale of `test_precision`'s softmax check."""
+  import cutbce  # pylint: disable=import-outside-toplevel
+  from cutbce.sharding import sharded_cut_softmax_ce  # pylint: disable=import-outside-toplevel
   if route == "sharded":
     fn = functools.partial(sharded_cut_softmax_ce, mesh=rule._mesh(), token_axes=("data",),  # pylint: disable=protected-access
                            vocab_axis="model", backend="xla", plan=rule.PLANS["xla"])
   else:
     fn = functools.partial(cutbce.cut_softmax_ce, backend=route, plan=rule.PLANS[route])
-  options = {"label_smoothing": float(smoothing)}
-  picked = [name in gradients.split(",") for name in ("dh", "dE", "db")]
-  pick = lambda grads: tuple(g if keep else 0 * g for g, keep in zip(grads, picked))  # noqa: E731
-  got = pick(rule._grads(fn, jnp.float32, **options))  # pylint: disable=protected-access
-  dense = pick(rule._grads(cutbce.dense_softmax_ce, jnp.float32, **options))  # pylint: disable=protected-access
-  oracle = pick(_oracle(rule, options))
-  try:
-    rule._check_no_worse_than_dense(got, dense, oracle, jnp.float32,  # pylint: disable=protected-access
-                                    f"cut_softmax_ce {route} under exp x (1 + {amplitude} sin + {bias})",
-                                    rule.softmax_db_scale(rule._inputs(jnp.float32), **options))  # pylint: disable=protected-access
-  except AssertionError as error:
-    print(str(error).split("\n")[0])
-    return 1
-  print("holds")
-  return 0
+  options = {"label_smoothing": smoothing}
+  return (rule._grads(fn, jnp.float32, **options),  # pylint: disable=protected-access
+          rule._grads(cutbce.dense_softmax_ce, jnp.float32, **options),  # pylint: disable=protected-access
+          _oracle(rule, options),
+          rule.softmax_db_scale(rule._inputs(jnp.float32), **options))  # pylint: disable=protected-access
 
 
-def _check_bce(rule, route: str, gradients: str) -> int:
-  """`test_precision`'s BCE check for ROUTE "xla", "xla-two-pass" or "pallas_tpu"."""
+def _bce_grads(rule, route: str):
+  """The same for `test_precision`'s BCE check, ROUTE "xla", "xla-two-pass" or "pallas_tpu"."""
   import cutbce  # pylint: disable=import-outside-toplevel
   backend = route.split("-")[0]
   fn = functools.partial(cutbce.cut_bce, backend=backend, plan=rule.PLANS[backend],
                          one_pass=not route.endswith("two-pass"))
-  picked = [name in gradients.split(",") for name in ("dh", "dE", "db")]
-  pick = lambda grads: tuple(g if keep else 0 * g for g, keep in zip(grads, picked))  # noqa: E731
-  got = pick(rule._grads(fn, jnp.float32, vocab_reduction="sum"))  # pylint: disable=protected-access
-  dense = pick(rule._dense_grads("bce", jnp.float32))  # pylint: disable=protected-access
-  oracle = pick(rule._oracle("bce", jnp.float32))  # pylint: disable=protected-access
-  try:
-    rule._check_no_worse_than_dense(got, dense, oracle, jnp.float32, f"cut_bce {route}")  # pylint: disable=protected-access
-  except AssertionError as error:
-    print(str(error).split("\n")[0])
-    return 1
-  print("holds")
-  return 0
+  return (rule._grads(fn, jnp.float32, vocab_reduction="sum"),  # pylint: disable=protected-access
+          rule._dense_grads("bce", jnp.float32),  # pylint: disable=protected-access
+          rule._oracle("bce", jnp.float32),  # pylint: disable=protected-access
+          None)
 
 
 def _oracle(rule, options):
