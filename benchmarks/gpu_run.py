@@ -13,10 +13,9 @@ Two commands, each writing JSON under `--out`:
             9 minutes, each part with its own time limit so the later ones
             still run:
             0. quality ML-1M runs of QUALITY_GRID (--runs; by default
-                       NEXT_RUNS, those not measured yet: issue 39's
-                       exclusion seeds, the best recipe with SASRec+'s
-                       initializers, the replica's changes on A; LATER_RUNS
-                       next), one process each, all at once on this GPU
+                       NEXT_RUNS, those not measured yet: issue 33's
+                       sampled baselines on the best recipe, gSASRec;
+                       LATER_RUNS next), one process each, all at once on this GPU
                        (mesh data=1, the configs' global batch), cut at
                        --quality-s.
             1. tests   the fast GPU subset (test_mosaic.py and test_gpu.py,
@@ -431,31 +430,29 @@ CATALOG_1M_RUNS = tuple(f"catalog_1m_{name}" for name in (
 QUALITY_GRID += tuple(
     (name, catalog_queue.CATALOGS["1m"].config,
      list(catalog_queue.QUEUE[name.removeprefix("catalog_1m_")])) for name in CATALOG_1M_RUNS)
-# The runs a plain `device` call makes, all at once (eight shared one H200
-# in 190-250 s): the first of what the grid has not measured yet: seeds 1-2
-# of the best recipe on the replica's model (seed 0, 0.1949, beat the best
-# recipe's seed 0 by 0.0048; about 4-5 minutes each on a TPU v5e chip,
-# benchmarks/tpu_run.py). Issue 39's exclusion seeds 1-2, the best recipe
-# with SASRec+'s 3,000 negatives outside the window (seeds 0-2: 0.2011, a
-# tie with the exact loss's 0.2015), the best recipe with SASRec+'s
-# initializers and seed 0 on the replica's model ran on a
-# TPU v5e chip, the replica with A's block (seeds 1-2) too. The replica's three
-# seeds, the 3,000 negatives' three seeds, the block (seeds 0-1), the
+# The runs a plain `device` call makes (eight shared one H200 in 190-250 s;
+# on a TPU v5e chip 240-260 s each, two to a 10-minute call): the first of
+# what the grid has not measured yet, issue 33's sampled baselines on the
+# best recipe, then gSASRec (90,000 steps a seed: give it --quality-s to
+# match and resume it call after call, docs/tpu.md). Ran on a TPU v5e chip:
+# issue 39's exclusion seeds 1-2, the best recipe with SASRec+'s 3,000
+# negatives outside the window (seeds 0-2: 0.2011, a tie with the exact
+# loss's 0.2015), the best recipe with SASRec+'s initializers, the best
+# recipe on the replica's model (seeds 0-2: 0.1936, a tie with the best
+# recipe's 0.1924), the replica with A's block (seeds 1-2) and the 3,000
+# negatives' three seeds again (0.1845, the CPU's 0.1838). The replica's
+# three seeds, the 3,000 negatives' three seeds, the block (seeds 0-1), the
 # positions and no clipping alone on A, the initializers alone on A (three
 # seeds), the tables' half (three seeds), the linear layers' half (seeds
 # 0-1) and the replica with A's block (seed 0) ran on CPU (docs/results.md).
-# LATER_RUNS wait for the next device (--runs names them): seed 0 of the
-# 3,000 negatives again (a GPU cross-check of the CPU run), issue 33's
-# sampled baselines on the best recipe, gSASRec (90,000 steps each: give it
-# --quality-s to match) and the six 10^6-item catalog runs (CATALOG_1M_RUNS;
-# their JSONs go to docs/results/catalog/synthetic_1m/ without the prefix).
-NEXT_RUNS = ("best_replica_model_seed1", "best_replica_model_seed2")
-LATER_RUNS = ("replica_3000_seed0", "best_sampled_softmax_k128_seed0",
-              "best_sampled_softmax_k1024_seed0", "best_sampled_softmax_k128_pop_logq_seed0",
-              "best_sampled_softmax_k128_pop_seed0", "best_gbce_k256_seed0",
-              "best_gbce_k256_item_bias_seed0", "bce_capacity_item_bias_seed0",
-              "gsasrec_seed0", "gsasrec_seed1", "gsasrec_seed2",
-              *CATALOG_1M_RUNS)
+# LATER_RUNS wait for the next device (--runs names them): the six
+# 10^6-item catalog runs (CATALOG_1M_RUNS; their JSONs go to
+# docs/results/catalog/synthetic_1m/ without the prefix).
+NEXT_RUNS = ("best_sampled_softmax_k128_seed0", "best_sampled_softmax_k1024_seed0",
+             "best_sampled_softmax_k128_pop_logq_seed0", "best_sampled_softmax_k128_pop_seed0",
+             "best_gbce_k256_seed0", "best_gbce_k256_item_bias_seed0",
+             "bce_capacity_item_bias_seed0", "gsasrec_seed0", "gsasrec_seed1", "gsasrec_seed2")
+LATER_RUNS = CATALOG_1M_RUNS
 
 
 QUALITY_SCRIPT = "benchmarks/ml1m_quality.py"
