@@ -112,8 +112,19 @@ CASES = [("sampled_softmax", "batch", False, "sum"), ("sampled_softmax", "positi
          ("gbce", "sequence", False, "sum")]
 
 
+@pytest.fixture(params=["full", "gathered"])
+def position_route(request, monkeypatch):
+  """Per-position negatives' logits from all [T, V] logits (these shapes' own choice) or
+  from their gathered rows (`sampled.full_logits_pay` forced off)."""
+  if request.param == "gathered":
+    monkeypatch.setattr(sampled, "FULL_LOGITS_RATIO", 0)
+  assert sampled.full_logits_pay(V, K, D) == (request.param == "full")
+  return request.param
+
+
 @pytest.mark.parametrize("kind,per,logq,target_reduction", CASES)
-def test_each_sampled_loss_equals_the_dense_reference(kind, per, logq, target_reduction):
+def test_each_sampled_loss_equals_the_dense_reference(kind, per, logq, target_reduction,
+                                                      position_route):
   hidden, table, bias, targets, weights = _inputs()
   rng = np.random.default_rng(1)
   shape = {"batch": (K,), "sequence": (B, K), "position": (B * N, K)}[per]
@@ -156,7 +167,7 @@ def test_a_negative_equal_to_a_target_is_masked():
       float(_run(loss, hidden, table, bias, targets, weights, alone)[0]))
 
 
-def test_gradients_equal_the_dense_logits_reference():
+def test_gradients_equal_the_dense_logits_reference(position_route):
   """d loss / d (hidden, table, bias) against a jnp version of the reference on full logits."""
   hidden, table, bias, targets, weights = _inputs()
   ids = _hit_negatives(targets, (B * N, K), np.random.default_rng(2))
@@ -184,6 +195,31 @@ def test_gradients_equal_the_dense_logits_reference():
   got, want = jax.grad(cut, (0, 1, 2))(*args), jax.grad(dense, (0, 1, 2))(*args)
   for g, r in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+def test_full_logits_only_where_the_catalog_is_small_beside_k():
+  assert sampled.full_logits_pay(3_417, 256, 128)  # gSASRec on MovieLens-1M
+  assert not sampled.full_logits_pay(100_000, 1_024, 64)  # the 10^5 catalog benchmark
+  assert not sampled.full_logits_pay(876_939, 256, 128)
+  assert not sampled.full_logits_pay(37, 7, 2)  # [T, V] would outweigh [T, k, D]
+
+
+@pytest.mark.parametrize("route", ["full", "gathered"])
+def test_per_position_logits_take_the_route_chosen(route, monkeypatch):
+  """The traced loss holds the [T, V] product, or the [T, k, D] gather, not the other."""
+  if route == "gathered":
+    monkeypatch.setattr(sampled, "FULL_LOGITS_RATIO", 0)
+  hidden, table, bias, targets, weights = _inputs()
+  ids = _hit_negatives(targets, (B * N, K), np.random.default_rng(4))
+  negatives = sampled.Negatives(jnp.asarray(ids), jnp.ones(ids.shape, bool),
+                                jnp.zeros(ids.shape))
+  loss = _sampled("gbce", negatives_per="position")
+  text = jax.jit(lambda e: _run(loss, hidden, e, bias, targets, weights, negatives)[0]).lower(
+      jnp.asarray(table)).as_text()
+  made = lambda op, shape: any(  # noqa: E731
+      op in line and line.rstrip().endswith(f"tensor<{shape}xf32>") for line in text.splitlines())
+  assert made("dot_general", f"{B * N}x{V}") == (route == "full")
+  assert made("gather", f"{B * N}x{K}x{D}") == (route == "gathered")
 
 
 def test_gbce_with_t_zero_is_bce_over_the_sampled_items():
