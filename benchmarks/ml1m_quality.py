@@ -162,11 +162,13 @@ def validation_curve(records: list[dict]) -> list[dict]:
 
 
 def finished(workdir: str, train_steps: int) -> bool:
-  """Whether `workdir` holds a run that reached `train_steps` and evaluated the test split."""
+  """Whether `workdir` holds a run that reached `train_steps`, or stopped early
+  (`checkpoint.patience`), and evaluated the test split there."""
   if not (pathlib.Path(workdir) / "metrics.jsonl").exists():
     return False
-  return any(r["kind"] == "eval/test" and r["step"] == train_steps
-             for r in read_metrics(workdir))
+  records = read_metrics(workdir)
+  ends = {train_steps} | {r["step"] for r in records if r["kind"] == "early_stop"}
+  return any(r["kind"] == "eval/test" and r["step"] in ends for r in records)
 
 
 def train_time_from_log(records: list[dict]) -> float:

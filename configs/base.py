@@ -181,6 +181,9 @@ def get_config() -> ml_collections.ConfigDict:
   # (trainer.evaluate, recommend, export) read the best one by default.
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.best_metric = "ndcg@10"
+  # Early stopping: stop once best_metric has not risen in this many
+  # evaluations (None: train every train_steps).
+  config.checkpoint.patience = ml_collections.config_dict.placeholder(int)
   # What `python -m trainer.compile` assumes of the data it does not read:
   # the catalog size V (None: pass --num_items), and the evaluation batch's
   # targets L and excluded history ids E per user (None: num_targets, seq_len).

@@ -18,7 +18,9 @@ trainer:
 - training: the most recent window of 200 per user per epoch, batch 128
   (48 steps an epoch), Adam 1e-3 constant, no clipping; the published
   checkpoint is from step 86,064 (about 1,800 epochs: its early stopping
-  waits 200 epochs), so 90,000 steps, evaluated every 480 (10 epochs).
+  waits 200 epochs), so at most 90,000 steps, evaluated every 480 (10
+  epochs), stopped as its code stops: once validation NDCG@10 has not
+  risen in 20 evaluations (200 epochs; `checkpoint.patience`).
 
 What differs from the published run, and is kept: the protocol. gSASRec
 validates on 512 users and trains on the second-to-last item of the other
@@ -59,4 +61,5 @@ def get_config():
   config.optimizer.clip_norm = None
   config.eval_every = 480
   config.checkpoint_every = 480
+  config.checkpoint.patience = 20
   return config

@@ -307,6 +307,46 @@ class Trainer:
     return {"last": last, "best": best, "best_step": best_step}
 
 
+class EarlyStopping:
+  """`checkpoint.patience`: training stops at the evaluation that finds
+  `checkpoint.best_metric` not risen in `patience` evaluations (`patience *
+  eval_every` steps since its best). The best is read back from the kept
+  checkpoints' metrics on a resume, so a run that stopped early stays stopped
+  when run again (it is evaluated again, not trained on).
+  """
+
+  def __init__(self, config, best: tuple[int, float] | None):
+    self.patience = config.checkpoint.patience
+    self.metric = config.checkpoint.best_metric
+    self.window = None if self.patience is None else self.patience * config.eval_every
+    self.best = best  # (step, value) of the best evaluation so far
+
+  @classmethod
+  def resume(cls, config, manager: ocp.CheckpointManager) -> EarlyStopping:
+    step = checkpoint.best_step(manager) if config.checkpoint.patience is not None else None
+    best = None if step is None else (
+        step, checkpoint.metric_fn(config.checkpoint.best_metric)(manager.metrics(step)))
+    return cls(config, best)
+
+  def update(self, step: int, metrics: dict[str, float]) -> bool:
+    """Takes the evaluation at `step`; whether training stops there."""
+    if self.window is None:
+      return False
+    value = checkpoint.metric_fn(self.metric)(metrics)
+    if self.best is None or value > self.best[1]:
+      self.best = (step, value)
+    return self.stopped(step)
+
+  def stopped(self, step: int) -> bool:
+    return self.window is not None and self.best is not None and (
+        step - self.best[0] >= self.window)
+
+  def reason(self, step: int) -> str:
+    best_step, value = self.best
+    return (f"early stopping at step {step}: validation {self.metric} has not risen since step "
+            f"{best_step} ({value:.4f}), {self.patience} evaluations (checkpoint.patience)")
+
+
 def non_finite_message(loss: float, grad_norm: float, step: int, last_checkpoint: int | None,
                        workdir: str) -> str:
   """The message of `NonFiniteLossError`: the values, the step, where to restart from."""
@@ -446,8 +486,11 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
   tracing = False
   newest = NewestStep(trainer.manager, workdir)
   sums = _zero_counts()
+  watch = EarlyStopping.resume(config, trainer.manager)
+  if step < config.train_steps and watch.stopped(step):
+    logs.say(watch.reason(step) + "; stopped before this process: evaluating only")
   try:
-    while step < config.train_steps:
+    while step < config.train_steps and not watch.stopped(step):
       if preemption.reached(step):
         newest.check()
         trainer.save(step, wait=True)
@@ -481,6 +524,10 @@ def train_and_evaluate(config, workdir: str, *, allow_config_change: bool = Fals
         newest.check()  # Never evaluate or checkpoint the state of a non-finite step.
         metrics = trainer.run_eval(step, config.eval.split) if evaluate_now else None
         trainer.save(step, metrics)
+        if metrics is not None and watch.update(step, metrics):  # the loop ends here
+          logs.say(watch.reason(step))
+          trainer.writer.write(step, "early_stop", {"best_step": watch.best[0],
+                                                    config.checkpoint.best_metric: watch.best[1]})
     preemption.disarm("the final evaluation")  # no step left to save at: a SIGTERM stops
     final = trainer.final_evaluation(step)
     rows = {f"best {split}": metrics for split, metrics in (final["best"] or {}).items()}

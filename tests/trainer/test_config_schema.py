@@ -272,6 +272,7 @@ RULE_BREAKERS = {
     "sampler_draws_from_catalog": _set_all(loss__sampler="popularity"),
     "logq_is_for_softmax": _set_all(loss__logq=True),
     "best_metric_is_evaluated": _set_all(checkpoint__best_metric="ndcg@7"),
+    "patience_has_a_metric": _set_all(checkpoint__patience=3, checkpoint__best_metric=None),
     "seq_len_fits": _set_all(seq_len=2**31),
     "batch_fits": _set_all(batch_size=2**40),
     "eval_batch_fits": _set_all(eval_batch_size=2**36),

@@ -260,3 +260,43 @@ def test_clip_norm_none_is_plain_adam():
   for got, expected in zip(updates(unclipped), want):
     np.testing.assert_allclose(got, expected, rtol=1e-6)
   assert not np.allclose(updates(config)[1], want[1], rtol=1e-3)
+
+
+def test_early_stopping_stops_where_the_metric_stopped_rising_and_stays_stopped(
+    smoke_config, tmp_path, monkeypatch):
+  """checkpoint.patience = 2, evaluations every 2 steps: validation NDCG@10 last rises
+  at step 4, so training stops at step 8 (two evaluations later), the best checkpoint is
+  step 4's, and running the command again evaluates without training on."""
+  from benchmarks import ml1m_quality  # pylint: disable=import-outside-toplevel
+  workdir = str(tmp_path)
+  smoke_config.eval_every, smoke_config.checkpoint_every = 2, 2
+  smoke_config.checkpoint.best_metric = "ndcg@10"
+  smoke_config.checkpoint.patience = 2
+  scripted = {2: 0.1, 4: 0.3, 6: 0.2, 8: 0.25, 10: 0.9}  # 10 is never reached
+  real_eval = loop.Trainer.run_eval
+
+  def run_eval(self, step, split, *, periodic=True, best_step=None):
+    if periodic and best_step is None:  # the periodic ones: the scripted metric
+      return {**real_eval(self, step, split), "ndcg@10": scripted[step]}
+    return real_eval(self, step, split, periodic=periodic, best_step=best_step)
+
+  monkeypatch.setattr(loop.Trainer, "run_eval", run_eval)
+  result = loop.train_and_evaluate(smoke_config, workdir)
+  assert result["step"] == 8 and not result["preempted"]
+  assert result["best"]["step"] == 4
+  assert [r["best_step"] for r in read_metrics(workdir, "early_stop")] == [4]
+  assert max(r["step"] for r in read_metrics(workdir)) <= 8
+  assert ml1m_quality.finished(workdir, smoke_config.train_steps)
+
+  again = loop.train_and_evaluate(smoke_config, workdir)
+  assert again["step"] == 8 and again["best"]["step"] == 4
+  assert max(r["step"] for r in read_metrics(workdir)) <= 8
+  assert max(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints"))) == 8
+
+
+def test_patience_needs_a_metric_to_watch(smoke_config, tmp_path):
+  from trainer.config import schema  # pylint: disable=import-outside-toplevel
+  smoke_config.checkpoint.best_metric = None
+  smoke_config.checkpoint.patience = 3
+  with pytest.raises(schema.ConfigError, match="checkpoint.patience"):
+    loop.train_and_evaluate(smoke_config, str(tmp_path))

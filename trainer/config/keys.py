@@ -69,6 +69,9 @@ KEYS: tuple[schema.Key, ...] = (
     key("checkpoint.best_metric", STR, None, "also keep the checkpoint with the best value of "
         "this validation metric: 'mrr', or 'recall@k', 'ndcg@k', 'hit@k' with k in "
         "`eval.ks` (None: keep the latest ones only)", none_ok=True),
+    key("checkpoint.patience", INT, at_least(1), "stop training once `checkpoint.best_metric` "
+        "has not risen in this many evaluations (early stopping; None: train every "
+        "`train_steps`)", none_ok=True),
     key("mesh.axis_names", STRS, None, "names of the device mesh axes", sequence="distinct"),
     key("mesh.shape", INTS, at_least(1), "sizes of the mesh axes (one may be -1: the "
         "devices the others leave)", sequence="nonempty"),
@@ -613,6 +616,13 @@ def _best_metric_is_evaluated(values, context):
   return None
 
 
+def _patience_has_a_metric(values, context):
+  del context
+  if values.get("checkpoint.patience") is not None and values.get("checkpoint.best_metric") is None:
+    return "None while `checkpoint.best_metric` is None (early stopping watches that metric)"
+  return None
+
+
 _MODEL_KEYS = ("model.dim", "model.num_layers", "model.num_heads", "model.mlp_dim", "model.dtype")
 
 
@@ -745,6 +755,9 @@ RULES: tuple[Rule, ...] = (
     Rule(name="best_metric_is_evaluated", keys=("checkpoint.best_metric", "eval.ks"),
          check=_best_metric_is_evaluated,
          doc="`checkpoint.best_metric` is a metric the evaluation computes (k in `eval.ks`)"),
+    Rule(name="patience_has_a_metric", keys=("checkpoint.patience", "checkpoint.best_metric"),
+         check=_patience_has_a_metric,
+         doc="`checkpoint.patience` needs `checkpoint.best_metric` (the metric it watches)"),
     Rule(name="seq_len_fits", keys=("seq_len", "batch_size", "num_targets") + _MODEL_KEYS,
          check=_step_fits("batch_size", "seq_len", training=True),
          doc="the training step fits (`trainer/config/budget.py`): its `batch_size` x "
