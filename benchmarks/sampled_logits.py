@@ -12,12 +12,19 @@ default shape is gSASRec's on MovieLens-1M (configs/ml1m_gsasrec.py: batch
 
     python benchmarks/sampled_logits.py [--vocab 3417] [--k 256] [--dim 128]
 
+`--compile-for v5e-1` (a `cutbce.kernels.compiler` topology) also compiles
+gSASRec's whole train step (configs/ml1m_gsasrec.py, one chip) for that TPU
+with libtpu, no TPU attached, both ways: its temporaries and peak from the
+compiled program's memory analysis and the compiler's FLOP count ("compiled
+for", not a timing).
+
 Prints a table and writes docs/results/sampled_logits.json (--out).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import platform
@@ -36,6 +43,17 @@ from trainer import sampled  # noqa: E402
 ROUTES = {"gathered": 0, "full": 1 << 30}  # route -> sampled.FULL_LOGITS_RATIO that forces it
 
 
+@contextlib.contextmanager
+def _forced(route: str):
+  """Traces within it take `route` (`sampled.FULL_LOGITS_RATIO` set to force it)."""
+  saved = sampled.FULL_LOGITS_RATIO
+  sampled.FULL_LOGITS_RATIO = ROUTES[route]
+  try:
+    yield
+  finally:
+    sampled.FULL_LOGITS_RATIO = saved
+
+
 def _step(route: str, args):
   """The jitted value-and-gradients of the gBCE loss, traced with `route` forced."""
   loss = sampled.SampledLoss(kind="gbce", num_negatives=args.k, negatives_per="position",
@@ -45,12 +63,8 @@ def _step(route: str, args):
     return sampled.sampled_loss(h, table, targets, weights, negatives, bias=bias,
                                 num_items=args.vocab, loss=loss)[0]
 
-  saved = sampled.FULL_LOGITS_RATIO
-  sampled.FULL_LOGITS_RATIO = ROUTES[route]
-  try:
+  with _forced(route):
     return jax.jit(jax.value_and_grad(value, (0, 1, 2))).lower(*_inputs(args)).compile()
-  finally:
-    sampled.FULL_LOGITS_RATIO = saved
 
 
 def _inputs(args):
@@ -67,6 +81,32 @@ def _inputs(args):
   return h, table, bias, targets, weights, negatives
 
 
+def compiled_for(topology: str) -> dict:
+  """gSASRec's ML-1M train step compiled for `topology`, per route: memory and FLOPs."""
+  # pylint: disable=import-outside-toplevel
+  from configs import ml1m_gsasrec
+  from cutbce.kernels import compiler
+  from trainer.commands import compile as compile_lib
+  from trainer.config import mesh as config_mesh
+  devices = compiler.topology_devices(topology)
+  hbm = compiler.tiling_chip(topology).hbm_capacity_bytes
+  rows = {}
+  for route in ROUTES:
+    config = ml1m_gsasrec.get_config()
+    config.mesh.shape = (len(devices),)
+    config_mesh.check_config(config, devices=devices)
+    mesh = config_mesh.make_mesh(config, devices)
+    with _forced(route):
+      jitted, args = compile_lib.step_programs(config, num_items=3416, mesh=mesh)["train"]
+      result = compile_lib.compile_step("train", jitted, args, devices=devices, hbm_bytes=hbm)
+    rows[route] = {name: result[name] for name in ("temp_bytes", "peak_bytes", "compiler_flops",
+                                                   "compile_s")}
+    print(f"{topology} {route:>9}  temporaries {result['temp_bytes'] / 2**20:,.0f} MiB  peak "
+          f"{result['peak_bytes'] / 2**20:,.0f} MiB  {result['compiler_flops'] / 1e9:,.1f} GFLOP "
+          f"(compiled for, gSASRec's train step)", flush=True)
+  return {"topology": topology, "config": "configs/ml1m_gsasrec.py", "routes": rows}
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--batch", type=int, default=128)
@@ -76,6 +116,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--vocab", type=int, default=3417)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--out", default="docs/results/sampled_logits.json")
+  parser.add_argument("--compile-for", default=None,
+                      help="also compile gSASRec's train step for this TPU topology (libtpu)")
   args = parser.parse_args(argv)
   inputs = _inputs(args)
   steps = {route: _step(route, args) for route in ROUTES}
@@ -107,6 +149,8 @@ def main(argv=None) -> dict:
   for route, row in report["routes"].items():
     print(f"{route:>9}  min {row['min_s']:.3f} s  median {row['median_s']:.3f} s  "
           f"temporaries {row['temp_bytes'] / 2**20:,.0f} MiB")
+  if args.compile_for:
+    report["compiled_for"] = compiled_for(args.compile_for)
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(report, indent=2) + "\n")

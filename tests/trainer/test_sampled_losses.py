@@ -649,3 +649,14 @@ def test_sequence_negatives_are_uniform_or_by_popularity():
   np.testing.assert_allclose(freq, counts / counts.sum(), atol=0.012)
   np.testing.assert_allclose(np.asarray(got.log_expected),
                              np.log(counts / counts.sum())[np.asarray(got.ids)], rtol=1e-5)
+
+
+def test_the_routes_benchmark_times_both_and_they_agree(tmp_path):
+  from benchmarks import sampled_logits  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "routes.json"
+  report = sampled_logits.main(["--batch", "2", "--seq", "3", "--k", "5", "--dim", "8",
+                                "--vocab", "23", "--repeats", "1", "--out", str(out)])
+  assert report["auto_route"] == "full" and set(report["routes"]) == {"full", "gathered"}
+  assert report["max_relative_gap"] < 1e-5
+  assert json.loads(out.read_text())["shape"]["tokens"] == 6
+  assert sampled.FULL_LOGITS_RATIO == 32  # restored after each forced trace
