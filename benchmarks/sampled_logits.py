@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
       "shape": {"tokens": args.batch * args.seq, "k": args.k, "dim": args.dim,
                 "vocab": args.vocab},
       "machine": {"platform": jax.devices()[0].platform, "devices": 1,
-                  "processor": platform.processor(), "jax": jax.__version__},
+                  "processor": platform.processor() or platform.machine(), "jax": jax.__version__},
       "auto_route": chosen,
       "max_relative_gap": gap,
       "routes": {route: {"min_s": min(t), "median_s": float(np.median(t)),

@@ -384,7 +384,7 @@ def _bias_of(bias, ids, layout=None):
 # k, all `[T, V]` logits (one GEMM, two in the backward) and a take of the k
 # cost less: on this machine's CPU at gSASRec's MovieLens-1M shape (T =
 # 25,600, k = 256, D = 128, V = 3,417) the loss's value and gradients take
-# 1.1 s against 3.4-3.9 s, in 843 MiB of temporaries against 6,541, and its
+# 1.1 s against 3.3-3.9 s, in 843 MiB of temporaries against 6,541, and its
 # whole train step compiles for a TPU v5e in 741 MiB of temporaries against
 # 3,496 (127 GFLOP against 66; `python benchmarks/sampled_logits.py
 # --compile-for v5e-1`; not yet ran on a chip). The full logits are taken when
