@@ -54,7 +54,7 @@ def _forced(route: str):
     sampled.FULL_LOGITS_RATIO = saved
 
 
-def _step(route: str, args):
+def _step(route: str, args, inputs):
   """The jitted value-and-gradients of the gBCE loss, traced with `route` forced."""
   loss = sampled.SampledLoss(kind="gbce", num_negatives=args.k, negatives_per="position",
                              gbce_t=0.75)
@@ -64,7 +64,7 @@ def _step(route: str, args):
                                 num_items=args.vocab, loss=loss)[0]
 
   with _forced(route):
-    return jax.jit(jax.value_and_grad(value, (0, 1, 2))).lower(*_inputs(args)).compile()
+    return jax.jit(jax.value_and_grad(value, (0, 1, 2))).lower(*inputs).compile()
 
 
 def _inputs(args):
@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
                       help="also compile gSASRec's train step for this TPU topology (libtpu)")
   args = parser.parse_args(argv)
   inputs = _inputs(args)
-  steps = {route: _step(route, args) for route in ROUTES}
+  steps = {route: _step(route, args, inputs) for route in ROUTES}
   values = {route: step(*inputs) for route, step in steps.items()}  # warm-up
   gap = max(float(jnp.max(jnp.abs(a - b)) / (float(jnp.max(jnp.abs(b))) or 1.0))
             for a, b in zip(jax.tree.leaves(values["full"]), jax.tree.leaves(values["gathered"])))
