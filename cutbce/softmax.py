@@ -24,8 +24,9 @@ are sparse or O(D) per token. Gradient of l_t w.r.t. x_tv:
 The forward's sweep leaves the targets out of its sums and adds them back
 from their own logits (`partition`), which also gives each target's
 1 - p_tp = sigmoid(lse_{-p} - x_tp) without cancellation. The backward
-recomputes each logit tile (`softmax_backward`: 3 GEMMs per tile) from the
-residual lse_t, with the smoothing's uniform part in the same tile; the
+recomputes each logit tile (`softmax_backward`: 3 GEMMs per tile) and takes
+p_tv = exp(x_tv - top_t) / total_t as dense does, from the residual row max
+and sum (`Normalizer`), with the smoothing's uniform part in the same tile; the
 targets' columns are set in the tile, in float32, to their whole gradient
 computed from 1 - p_tp (`target_columns`). Unlike BCE there is no one-pass form:
 p_tv needs lse_t, known only after the whole sweep, so the loss with its
@@ -231,6 +232,45 @@ def partition(row_max, row_sum, target_logits, target_mask, count: int):
   return lse, jnp.concatenate([complement, tail], axis=-1)
 
 
+class Normalizer(NamedTuple):
+  """How the backward takes p_tv: exp(x_tv - top_t) / total_t, as the dense reference does.
+
+  dense's p_tv (jax.nn.log_softmax's gradient) is the exp of x_tv less the
+  row's max, over the sum of those exps; the backward's p through exp(x_tv -
+  lse_t) puts every item through the exp at another argument. Where the
+  platform's float32 exp errs from one argument to the next (a TPU's by up to
+  68 ulp), each p then errs otherwise than dense's, and an item's dE row,
+  made of few tokens' p, kept that error: 3.3e-6 of a row against dense's
+  8.6e-8 on a TPU v5e. With the max and the sum the exps come from the same
+  arguments as dense's.
+
+  Attributes:
+    top: `[T]` f32, the largest logit over the softmax's items (+inf for a
+      token with none: its p are 0).
+    total: `[T]` f32, sum_v exp(x_tv - top_t) over them (1 for a token with none).
+  """
+
+  top: jax.Array
+  total: jax.Array
+
+
+def normalizer(row_max, row_sum, target_logits, target_mask, count: int) -> Normalizer:
+  """The backward's (top_t, total_t) from the sweep's (max, sum) and the separated targets'.
+
+  Arguments as for `partition`. The sweep's sum is rescaled to the top by an
+  exact exp (`numerics`), the separated targets' terms go through the
+  platform's exp once, as in `partition` and dense.
+  """
+  x = jnp.where(target_mask[:, :count], target_logits[:, :count], -jnp.inf)  # [T, K]
+  swept = row_sum > 0
+  top = jnp.maximum(jnp.where(swept, row_max, -jnp.inf), jnp.max(x, axis=-1, initial=-jnp.inf))
+  empty = top == -jnp.inf
+  top = jnp.where(empty, 0.0, top)
+  total = (jnp.where(swept, row_sum * numerics.exp(jnp.where(swept, row_max, top) - top), 0.0)
+           + jnp.sum(jnp.exp(x - top[:, None]), axis=-1))
+  return Normalizer(jnp.where(empty, jnp.inf, top), jnp.where(empty, 1.0, total))
+
+
 class LocalForward(NamedTuple):
   """One table's (or vocabulary shard's) part of the forward, all `[T]`.
 
@@ -291,11 +331,13 @@ class Rescale(NamedTuple):
 
 
 def local_backward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds,
-                   coeffs: Coefficients, lse, complement, scale, valid_rows=None,
+                   coeffs: Coefficients, norm: Normalizer, complement, scale, valid_rows=None,
                    rescale: Rescale | None = None):
   """float32 (dh, dE, db) of sum_t scale_t l_t through this table's rows.
 
-  The dense sweep makes G_tv = g_t (k_t p_tv - u_t) on the softmax's items
+  The dense sweep makes G_tv = g_t (k_t p_tv - u_t) on the softmax's items,
+  p_tv = exp(x_tv - top_t) / total_t (`Normalizer`: the kernels take top_t
+  for their log_z and 1 / total_t in their scale),
   (the uniform part of label smoothing included, so excluded ids and padding
   get none of it); the targets' columns are set to their whole gradient
   (`target_columns`, from `complement` = 1 - p_tp `[T, L]` of `partition`).
@@ -313,14 +355,14 @@ def local_backward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds
   excluded = (xla_kernels.SharedExclude(ids.exclude_rows) if _shared_rows(call, ids)
               else _exclude_or_none(ids))
   swept = call.kernels.softmax_backward(
-      hidden, table, bias, excluded, lse, g * coeffs.lse, table_grad, bias_grad,
+      hidden, table, bias, excluded, norm.top, g * coeffs.lse / norm.total, table_grad, bias_grad,
       offset, columns.fixed_ids, columns.fixed_values, plan=call.plan,
       num_items=call.num_items, valid_rows=valid_rows, **({"with_mass": True} if with_mass else {}))
   dense_hidden_grad, table_grad, bias_grad = swept[:3]
   if with_mass:
     dense_hidden_grad = _rescale_to_mass(
         call, table, ids, complement, columns, g * coeffs.uniform, dense_hidden_grad,
-        rescale.total(swept[3]), rescale.target_mask, valid_rows)
+        rescale.total(swept[3]) / norm.total, rescale.target_mask, valid_rows)
   return hidden_grad + dense_hidden_grad, table_grad, bias_grad
 
 
@@ -329,8 +371,8 @@ def _rescale_to_mass(call: SoftmaxCall, table, ids: sparse.SparseIds, complement
                      valid_rows):
   """The sweep's dh with its p part scaled so that its p sum to the forward's mass.
 
-  The sweep's p_tv = exp(x_tv - lse_t) are other exp calls than the forward's
-  sums behind lse_t: where exp is inexact (a TPU's float32 exp errs by up to
+  The sweep's p_tv = exp(x_tv - top_t) / total_t are other exp calls than the
+  forward's sums behind total_t (those took each tile's running max): where exp is inexact (a TPU's float32 exp errs by up to
   68 ulp, with a bias) their sum over the swept items, `mass`, is not the
   1 - sum_p p_tp those items hold, and dh_t = sum_v G_tv e_v carries the
   difference times the part of e_v all items share (docs/loss.md). The p
@@ -340,8 +382,8 @@ def _rescale_to_mass(call: SoftmaxCall, table, ids: sparse.SparseIds, complement
   reference, which divides by the sum of its own exponentials. On a vocabulary
   shard: `mass` and `target_mask` are the whole catalog's, the p part this
   shard's (the factor is per token, so the shards' parts sum to the whole).
-  dE keeps the inconsistency (its sum runs over tokens: a factor per token
-  would need the mass before the sweep, one more pass).
+  dE's sum runs over tokens and takes no such factor; its p come from the
+  same exp arguments as dense's (`Normalizer`), which keeps it within the rule.
   """
   fixed = columns.fixed_ids
   p_part = hidden_grad
@@ -402,26 +444,27 @@ def _per_token(call: SoftmaxCall, hidden, table, bias, ids):
 def _forward(call: SoftmaxCall, hidden, table, bias, ids):
   coeffs = coefficients(call, ids)
   local = local_forward(call, hidden, table, bias, ids, coeffs)
-  lse, complement = partition(local.row_max, local.row_sum, local.logits.target,
-                              ids.target_mask, separated_targets(call, ids))
+  sweep = (local.row_max, local.row_sum, local.logits.target, ids.target_mask,
+           separated_targets(call, ids))
+  lse, complement = partition(*sweep)
   per_token = per_token_losses(coeffs, lse, local.linear)
   counts = None
   if call.with_counts:
     counts = sparse.token_counts(ids, local.logits, local.positive_count, call.num_items)
-  return (per_token, counts), (lse, complement)
+  return (per_token, counts), (normalizer(*sweep), complement)
 
 
 def _per_token_fwd(call: SoftmaxCall, hidden, table, bias, ids):
-  out, (lse, complement) = _forward(call, hidden, table, bias, ids)
-  # Residuals: the inputs, lse_t [T] and 1 - p_tp [T, L]; the backward
-  # recomputes every tile.
-  return out, (hidden, table, bias, ids, lse, complement)
+  out, (norm, complement) = _forward(call, hidden, table, bias, ids)
+  # Residuals: the inputs, (top_t, total_t) [T] and 1 - p_tp [T, L]; the
+  # backward recomputes every tile.
+  return out, (hidden, table, bias, ids, norm, complement)
 
 
 def _per_token_bwd(call: SoftmaxCall, residuals, cotangents):
-  hidden, table, bias, ids, lse, complement = residuals
+  hidden, table, bias, ids, norm, complement = residuals
   coeffs = coefficients(call, ids)
-  grads = local_backward(call, hidden, table, bias, ids, coeffs, lse, complement,
+  grads = local_backward(call, hidden, table, bias, ids, coeffs, norm, complement,
                          cotangents[0], rescale=Rescale(lambda mass: mass, ids.target_mask))
   return _cast_grads(grads, hidden, table, bias) + (None,)
 

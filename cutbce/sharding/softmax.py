@@ -7,9 +7,10 @@ under a custom VJP, every collective outside the local tile loop:
     forward   all_gather(hidden, ids)              over the vocab axis, if it splits tokens
               local sweep: (max, sum exp) per token over this shard's rows  (no collective)
               pmax(max), psum(sum exp(max - pmax), target logits)  over the vocab axis:
-                                                     lse_t and 1 - p_tp, all shards
+                                                     lse_t, 1 - p_tp and the backward's
+                                                     (top_t, total_t), all shards
               psum_scatter(linear part, counts)      over the vocab axis
-    backward  all_gather(hidden, ids, g_t, lse_t, 1 - p_tp)  as above
+    backward  all_gather(hidden, ids, g_t, top_t, total_t, 1 - p_tp)  as above
               local sweep                                                   (no collective)
               psum_scatter(dh) over the vocab axis; psum(dE, db) over the other token axes
 
@@ -34,7 +35,7 @@ from cutbce.sharding.shard_map import _local_ids, _map, _pack_ids, _prepare, _St
 
 
 def _forward_map(static: _Static, hidden, table, bias, ids):
-  """One shard_map: (l_t `[T]`, counts `[4, T]` or None, lse_t `[T]`), in the token layout."""
+  """One shard_map: (l_t `[T]`, counts `[4, T]` or None, (top_t, total_t, 1 - p_tp)), in the token layout."""
   layout, call = static.layout, static.call
 
   def local(hidden, table, bias, ids):
@@ -53,20 +54,21 @@ def _forward_map(static: _Static, hidden, table, bias, ids):
       row_sum = lax.psum(row_sum * numerics.exp(row_max - top), layout.vocab_axis)
       row_max = top
       target_logits = lax.psum(target_logits, layout.vocab_axis)
-    lse, complement = softmax.partition(row_max, row_sum, target_logits, global_ids.target_mask,
-                                        softmax.separated_targets(call, global_ids))
-    lse = layout_lib.own_block(layout, lse)
-    complement = layout_lib.own_block(layout, complement)
+    sweep = (row_max, row_sum, target_logits, global_ids.target_mask,
+             softmax.separated_targets(call, global_ids))
+    lse, complement = softmax.partition(*sweep)
+    lse, complement, top, total = (layout_lib.own_block(layout, x)
+                                   for x in (lse, complement, *softmax.normalizer(*sweep)))
     linear = layout_lib.scatter_tokens(layout, part.linear)
     own = softmax.Coefficients(*(layout_lib.own_block(layout, c) for c in coeffs))
-    outputs = (softmax.per_token_losses(own, lse, linear), lse, complement)
+    outputs = (softmax.per_token_losses(own, lse, linear), top, total, complement)
     if call.with_counts:
       counts = sparse.token_counts(local_ids, part.logits, part.positive_count, real_rows)
       outputs += (layout_lib.scatter_tokens(layout, jnp.stack(counts), axis=1),)
     return outputs
 
   token_spec = layout.token_spec
-  out_specs = (token_spec, token_spec, token_spec) + (
+  out_specs = (token_spec,) * 4 + (
       (jax.sharding.PartitionSpec(None, *token_spec),) if call.with_counts else ())
   if bias is None:
     fn = lambda hidden, table, ids: local(hidden, table, None, ids)  # noqa: E731
@@ -75,27 +77,28 @@ def _forward_map(static: _Static, hidden, table, bias, ids):
   else:
     outputs = _map(layout, local, (token_spec, layout.table_spec, layout.bias_spec, token_spec),
                    out_specs)(hidden, table, bias, ids)
-  per_token, lse, complement = outputs[0], outputs[1], outputs[2]
-  return per_token, (outputs[3] if call.with_counts else None), (lse, complement)
+  per_token, top, total, complement = outputs[:4]
+  return per_token, (outputs[4] if call.with_counts else None), (top, total, complement)
 
 
-def _backward_map(static: _Static, hidden, table, bias, ids, scale, lse, complement):
+def _backward_map(static: _Static, hidden, table, bias, ids, scale, top, total, complement):
   """One shard_map: float32 (dh, dE, db) of sum_t scale_t l_t."""
   layout, call = static.layout, static.call
 
-  def local(hidden, table, bias, ids, scale, lse, complement):
-    hidden, ids, scale, lse, complement = layout_lib.gather_tokens(
-        layout, hidden, ids, scale, lse, complement)
+  def local(hidden, table, bias, ids, scale, top, total, complement):
+    hidden, ids, scale, top, total, complement = layout_lib.gather_tokens(
+        layout, hidden, ids, scale, top, total, complement)
     offset, real_rows = layout_lib.shard_rows(layout)
     table, bias = layout_lib.zero_padding_rows(layout, real_rows, table, bias)
     global_ids, local_ids = _local_ids(static, ids, offset)
     coeffs = softmax.coefficients(call, global_ids)
     # The complement's columns follow the global targets; a shard sets only its own.
-    total = ((lambda mass: mass) if layout.vocab_axis is None
+    whole = ((lambda mass: mass) if layout.vocab_axis is None
              else functools.partial(lax.psum, axis_name=layout.vocab_axis))
     hidden_grad, table_grad, bias_grad = softmax.local_backward(
-        call, hidden, table, bias, local_ids, coeffs, lse, complement, scale,
-        valid_rows=real_rows, rescale=softmax.Rescale(total, global_ids.target_mask))
+        call, hidden, table, bias, local_ids, coeffs, softmax.Normalizer(top, total), complement,
+        scale,
+        valid_rows=real_rows, rescale=softmax.Rescale(whole, global_ids.target_mask))
     hidden_grad = layout_lib.scatter_tokens(layout, hidden_grad)
     if layout.table_sum_axes:
       table_grad, bias_grad = lax.psum((table_grad, bias_grad), layout.table_sum_axes)
@@ -104,13 +107,13 @@ def _backward_map(static: _Static, hidden, table, bias, ids, scale, lse, complem
   token_spec = layout.token_spec
   out_specs = (token_spec, layout.table_spec) + ((layout.bias_spec,) if bias is not None else ())
   if bias is None:
-    fn = lambda hidden, table, ids, scale, lse, complement: local(  # noqa: E731
-        hidden, table, None, ids, scale, lse, complement)
-    grads = _map(layout, fn, (token_spec, layout.table_spec) + (token_spec,) * 4,
-                 out_specs)(hidden, table, ids, scale, lse, complement)
+    fn = lambda hidden, table, ids, *rest: local(hidden, table, None, ids, *rest)  # noqa: E731
+    grads = _map(layout, fn, (token_spec, layout.table_spec) + (token_spec,) * 5,
+                 out_specs)(hidden, table, ids, scale, top, total, complement)
     return grads[0], grads[1], None
   grads = _map(layout, local, (token_spec, layout.table_spec, layout.bias_spec)
-               + (token_spec,) * 4, out_specs)(hidden, table, bias, ids, scale, lse, complement)
+               + (token_spec,) * 5, out_specs)(hidden, table, bias, ids, scale, top, total,
+                                               complement)
   return grads[0], grads[1], grads[2]
 
 
@@ -122,17 +125,18 @@ def _sharded_ce(static: _Static, hidden, table, bias, ids):
 
 
 def _sharded_ce_fwd(static: _Static, hidden, table, bias, ids):
-  per_token, counts, (lse, complement) = _forward_map(static, hidden, table, bias, ids)
-  # Residuals: the ungathered inputs, lse_t and 1 - p_tp; the backward gathers again.
-  return (per_token, counts), (hidden, table, bias, ids, lse, complement)
+  per_token, counts, norm = _forward_map(static, hidden, table, bias, ids)
+  # Residuals: the ungathered inputs, (top_t, total_t) and 1 - p_tp; the
+  # backward gathers again.
+  return (per_token, counts), (hidden, table, bias, ids, *norm)
 
 
 def _sharded_ce_bwd(static: _Static, residuals, cotangents):
-  hidden, table, bias, ids, lse, complement = residuals
+  hidden, table, bias, ids, top, total, complement = residuals
   scale = layout_lib.place(static.layout, cotangents[0].astype(jnp.float32),
                            static.layout.token_spec)
   hidden_grad, table_grad, bias_grad = _backward_map(static, hidden, table, bias, ids, scale,
-                                                     lse, complement)
+                                                     top, total, complement)
   return (hidden_grad.astype(hidden.dtype), table_grad.astype(table.dtype),
           None if bias is None else bias_grad.astype(bias.dtype), None)
 

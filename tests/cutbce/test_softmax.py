@@ -306,3 +306,52 @@ def test_the_backward_sums_the_p_of_its_unset_columns(backend):
     swept = swept & ~np.any(np.arange(vocab)[None, :, None] == ids[:, None, :], axis=-1)
   want = np.sum(np.where(swept, np.exp(x - log_z[:, None]), 0.0), axis=1)
   np.testing.assert_allclose(np.asarray(mass), want, rtol=2e-6)
+
+
+def test_the_backward_normalizer_is_the_rows_max_and_the_sum_below_it():
+  # p_tv = exp(x_tv - top_t) / total_t, as dense takes them (`softmax.Normalizer`).
+  from cutbce import softmax  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(5)
+  tokens, width, count = 9, 3, 2
+  row_max = rng.normal(size=tokens).astype(np.float32) * 5
+  row_sum = rng.uniform(1.0, 50.0, size=tokens).astype(np.float32)
+  row_sum[3] = 0.0  # every item of the rest masked: its targets alone
+  row_sum[4], row_max[4] = 0.0, np.finfo(np.float32).min  # and no target: no item at all
+  targets = rng.normal(size=(tokens, width)).astype(np.float32) * 5
+  targets[0, 0] = row_max[0] + 20.0  # a confident target on top
+  mask = rng.random((tokens, width)) < 0.7
+  mask[4] = False
+  mask[3, 0] = True
+  norm = softmax.normalizer(row_max, row_sum, targets, mask, count)
+  x = np.where(mask[:, :count], targets[:, :count], -np.inf).astype(np.float64)
+  top = np.maximum(np.where(row_sum > 0, row_max, -np.inf), x.max(axis=1))
+  with np.errstate(invalid="ignore"):
+    total = (np.where(row_sum > 0, row_sum * np.exp(row_max - top), 0.0)
+             + np.exp(x - top[:, None]).sum(axis=1))
+  live = np.isfinite(top)
+  np.testing.assert_allclose(np.asarray(norm.top)[live], top[live], rtol=1e-7)
+  np.testing.assert_allclose(np.asarray(norm.total)[live], total[live], rtol=2e-6)
+  assert float(norm.top[4]) == np.inf and float(norm.total[4]) == 1.0  # its p: 0, not 0 / 0
+  lse, _ = softmax.partition(row_max, row_sum, targets, mask, count)
+  np.testing.assert_allclose(np.asarray(lse)[live], top[live] + np.log(total[live]), rtol=2e-6)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_tpu"])
+def test_a_weighted_position_without_items_or_targets_gets_zero_gradients(backend):
+  # Every item excluded, no target: no softmax, l_t = 0; its backward must
+  # not divide 0 by 0.
+  hidden = jnp.asarray(np.random.default_rng(6).normal(size=(2, 4)), jnp.float32)
+  table = jnp.asarray(np.random.default_rng(7).normal(size=(6, 4)), jnp.float32)
+  targets = jnp.array([[1, 2], [-1, -1]], jnp.int32)
+  exclude = jnp.array([[-1, -1, -1, -1], [0, 1, 2, 3]], jnp.int32)
+
+  def loss(h, e, rows):
+    return cutbce.cut_softmax_ce(h[rows], e, targets[rows], exclude=exclude[rows],
+                                 num_items=4, reduction="sum", backend=backend)
+
+  both = jax.grad(loss, argnums=(0, 1))(hidden, table, np.array([0, 1]))
+  first = jax.grad(loss, argnums=(0, 1))(hidden, table, np.array([0]))
+  assert all(np.all(np.isfinite(g)) for g in both)
+  np.testing.assert_array_equal(np.asarray(both[0][1]), 0.0)
+  np.testing.assert_allclose(np.asarray(both[0][0]), np.asarray(first[0][0]), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(both[1]), np.asarray(first[1]), rtol=1e-6, atol=1e-7)
