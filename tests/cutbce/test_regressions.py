@@ -162,7 +162,10 @@ def test_float32_accumulation_over_ten_million_items():
   """Sums over V = 10^7 logits near 0 (total ~7e6) within 1e-6 of float64.
 
   A running float32 sum, or any tile partial kept in bf16, is off by far
-  more (one ulp of 7e6 in float32 is 0.5).
+  more (one ulp of 7e6 in float32 is 0.5). Where the platform's own
+  softplus errs with a bias (a TPU's float32 exp and log1p: the sum sat
+  5.9e-6 from float64 on a v5e), the bound is the dense reference's error
+  on the same platform, times 1.25, if that is larger (the precision rule).
   """
   rng = np.random.default_rng(10)
   hidden = rng.normal(size=(2, 2)).astype(np.float32)
@@ -183,7 +186,10 @@ def test_float32_accumulation_over_ten_million_items():
   y[1, 1234567] = 1.0
   want_value = np.sum(np.logaddexp(0.0, x)) - np.sum(x * y)
   d_logits = 1.0 / (1.0 + np.exp(-x)) - y
-  np.testing.assert_allclose(float(value), want_value, rtol=1e-6)
+  dense_value = jax.jit(lambda h, b: cutbce.dense_bce(
+      h, table, targets, bias=b, reduction="sum", vocab_reduction="sum"))(hidden, bias)
+  bound = max(1e-6 * abs(want_value), 1.25 * abs(float(dense_value) - want_value))
+  assert abs(float(value) - want_value) <= bound, (float(value), float(dense_value), want_value)
   np.testing.assert_allclose(np.asarray(dh, np.float64), d_logits @ e64, rtol=1e-6,
                              atol=1e-6 * np.max(np.abs(d_logits @ e64)))
   np.testing.assert_allclose(np.asarray(db, np.float64), d_logits.sum(0), rtol=1e-5,
