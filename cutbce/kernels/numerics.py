@@ -4,8 +4,8 @@ For the softmax's per-token numbers only (the rescale of a running sum when
 its max moves, the log of the sum, the log-sum-exp of a few terms), never per
 logit. A TPU v5e's float32 exp errs by up to 68 ulp with a mean of -6.9 ulp
 and its log by a mean of 1.4 ulp (docs/results/tpu_v5e/float32_functions.log).
-Per logit that bias cancels: the backward's p_tv = exp(x_tv - lse_t) carry
-it as the forward's sums behind lse_t do. The per-token exps and logs do not
+Per logit that bias cancels: the backward's p_tv = exp(x_tv - top_t) / total_t
+carry it as the forward's sums behind total_t do. The per-token exps and logs do not
 cancel: a token whose running max moved k times had its sum, hence lse_t,
 shifted by k times the bias, and its p then summed to 1 - k b rather than 1
 (dE and db, sums over tokens, kept that error; tests/cutbce/test_emulated_exp.py).
