@@ -240,9 +240,10 @@ class Normalizer(NamedTuple):
   lse_t) puts every item through the exp at another argument. Where the
   platform's float32 exp errs from one argument to the next (a TPU's by up to
   68 ulp), each p then errs otherwise than dense's, and an item's dE row,
-  made of few tokens' p, kept that error: 3.3e-6 of a row against dense's
-  8.6e-8 on a TPU v5e. With the max and the sum the exps come from the same
-  arguments as dense's.
+  made of few tokens' p, kept that error (under an exp that errs like the
+  chip's, on CPU: 8.6e-6 of a row against dense's 9.0e-7; on the chip a
+  row kept 3.3e-6 against dense's 8.6e-8). With the max and the sum the
+  exps come from the same arguments as dense's.
 
   Attributes:
     top: `[T]` f32, the largest logit over the softmax's items (+inf for a
@@ -335,12 +336,12 @@ def local_backward(call: SoftmaxCall, hidden, table, bias, ids: sparse.SparseIds
                    rescale: Rescale | None = None):
   """float32 (dh, dE, db) of sum_t scale_t l_t through this table's rows.
 
-  The dense sweep makes G_tv = g_t (k_t p_tv - u_t) on the softmax's items,
-  p_tv = exp(x_tv - top_t) / total_t (`Normalizer`: the kernels take top_t
-  for their log_z and 1 / total_t in their scale),
+  The dense sweep makes G_tv = g_t (k_t p_tv - u_t) on the softmax's items
   (the uniform part of label smoothing included, so excluded ids and padding
-  get none of it); the targets' columns are set to their whole gradient
-  (`target_columns`, from `complement` = 1 - p_tp `[T, L]` of `partition`).
+  get none of it), p_tv = exp(x_tv - top_t) / total_t (`Normalizer`: the
+  kernels take top_t for their log_z and 1 / total_t in their scale); the
+  targets' columns are set to their whole gradient (`target_columns`, from
+  `complement` = 1 - p_tp `[T, L]` of `partition`).
   With `rescale`, float32 inputs and kernels that sum their p
   (`SOFTMAX_MASS`), dh's p part is rescaled to the mass the forward gives
   those items (`_rescale_to_mass`).
@@ -372,8 +373,9 @@ def _rescale_to_mass(call: SoftmaxCall, table, ids: sparse.SparseIds, complement
   """The sweep's dh with its p part scaled so that its p sum to the forward's mass.
 
   The sweep's p_tv = exp(x_tv - top_t) / total_t are other exp calls than the
-  forward's sums behind total_t (those took each tile's running max): where exp is inexact (a TPU's float32 exp errs by up to
-  68 ulp, with a bias) their sum over the swept items, `mass`, is not the
+  forward's sums behind total_t (those took each tile's running max): where
+  exp is inexact (a TPU's float32 exp errs by up to 68 ulp, with a bias)
+  their sum over the swept items, `mass`, is not the
   1 - sum_p p_tp those items hold, and dh_t = sum_v G_tv e_v carries the
   difference times the part of e_v all items share (docs/loss.md). The p
   part of dh (dh less the fixed columns' and the smoothing offset's parts,

@@ -35,7 +35,10 @@ from cutbce.sharding.shard_map import _local_ids, _map, _pack_ids, _prepare, _St
 
 
 def _forward_map(static: _Static, hidden, table, bias, ids):
-  """One shard_map: (l_t `[T]`, counts `[4, T]` or None, (top_t, total_t, 1 - p_tp)), in the token layout."""
+  """One shard_map: (l_t `[T]`, counts `[4, T]` or None, residuals), in the token layout.
+
+  The residuals: the backward's (top_t, total_t) (`softmax.Normalizer`) and 1 - p_tp.
+  """
   layout, call = static.layout, static.call
 
   def local(hidden, table, bias, ids):
@@ -96,9 +99,9 @@ def _backward_map(static: _Static, hidden, table, bias, ids, scale, top, total, 
     whole = ((lambda mass: mass) if layout.vocab_axis is None
              else functools.partial(lax.psum, axis_name=layout.vocab_axis))
     hidden_grad, table_grad, bias_grad = softmax.local_backward(
-        call, hidden, table, bias, local_ids, coeffs, softmax.Normalizer(top, total), complement,
-        scale,
-        valid_rows=real_rows, rescale=softmax.Rescale(whole, global_ids.target_mask))
+        call, hidden, table, bias, local_ids, coeffs, softmax.Normalizer(top, total),
+        complement, scale, valid_rows=real_rows,
+        rescale=softmax.Rescale(whole, global_ids.target_mask))
     hidden_grad = layout_lib.scatter_tokens(layout, hidden_grad)
     if layout.table_sum_axes:
       table_grad, bias_grad = lax.psum((table_grad, bias_grad), layout.table_sum_axes)
