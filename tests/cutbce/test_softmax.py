@@ -305,7 +305,13 @@ def test_the_backward_sums_the_p_of_its_unset_columns(backend):
   for ids in (exclude, fixed):
     swept = swept & ~np.any(np.arange(vocab)[None, :, None] == ids[:, None, :], axis=-1)
   want = np.sum(np.where(swept, np.exp(x - log_z[:, None]), 0.0), axis=1)
-  np.testing.assert_allclose(np.asarray(mass), want, rtol=2e-6)
+  # Within 2e-6 of float64, or 1.25x the same sum's error taken densely in
+  # float32 on this platform (a v5e's exp: 2.2e-6 on one row).
+  x32 = jnp.dot(hidden, table.T, precision=jax.lax.Precision.HIGHEST) + bias
+  dense = jnp.sum(jnp.where(swept, jnp.exp(x32 - log_z[:, None]), 0.0), axis=1)
+  dense_error = np.abs(np.asarray(dense, np.float64) / want - 1.0)
+  error = np.abs(np.asarray(mass, np.float64) / want - 1.0)
+  assert np.all(error <= max(2e-6, 1.25 * dense_error.max())), (error.max(), dense_error.max())
 
 
 def test_the_backward_normalizer_is_the_rows_max_and_the_sum_below_it():
