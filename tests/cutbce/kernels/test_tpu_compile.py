@@ -204,7 +204,11 @@ def test_planned_tiles_compile_and_the_estimate_covers_mosaics_need(
 SOFTMAX_CASES = [
     pytest.param(("v6e", 4103, 876_939, 128, "bfloat16", False, 0, None, 0.0),
                  marks=pytest.mark.slow),  # the paper's per-chip shape
-    ("v5e", 1000, 1_000_003, 64, "float32", True, 100, 999_000, 0.1),  # wide exclude, padded rows
+    ("v5e", 1000, 1_000_003, 64, "float32", True, 48, 999_000, 0.1),  # wide exclude, padded rows
+    # Near the kernels' 128-id compare limit: Mosaic's compile grows faster
+    # than E (48: 34 s on 2 cores, 100: 108 s).
+    pytest.param(("v5e", 1000, 1_000_003, 64, "float32", True, 100, 999_000, 0.1),
+                 marks=pytest.mark.slow),
     ("v6e", 513, 10_000_019, 256, "bfloat16", True, 7, None, 0.0),
 ]
 
