@@ -8,7 +8,7 @@ set -u
 # A child of an earlier call on a warm machine that hangs in the TPU runtime's
 # teardown can still hold the chip (a later process then waits in
 # CreateTpuSystemState until cut): stop it first.
-if pkill -f "benchmarks/(tpu_run|exclude_bench|ml1m_quality|float32_functions)\.py"; then
+if pkill -f "benchmarks/(tpu_run|exclude_bench|ml1m_quality|float32_functions|sampled_logits)\.py"; then
   echo "stopped a process of an earlier call that still held the chip"
   sleep 5
 fi

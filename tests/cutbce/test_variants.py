@@ -76,8 +76,8 @@ def _grad_error(got, want):
   return np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)
 
 
-def _assert_matches(value, grads, ref_loss, ref_grads):
-  np.testing.assert_allclose(float(value), ref_loss, rtol=1e-5)
+def _assert_matches(value, grads, ref_loss, ref_grads, value_rtol=1e-5):
+  np.testing.assert_allclose(float(value), ref_loss, rtol=value_rtol)
   for got, name in zip(grads, ("hidden", "table", "bias")):
     assert _grad_error(got, ref_grads[name]) < 1e-4, name
 
@@ -96,8 +96,15 @@ def test_variant_on_pallas_tpu_matches_float64_oracle(name):
 @pytest.mark.parametrize("reduction", ["none", "sum"])
 @pytest.mark.parametrize("case_name", ["flat_tokens", "tiny_tiles"])
 def test_all_variants_with_other_reductions_and_cases(reduction, case_name):
-  _assert_matches(*_run("xla", OPTION_SETS["all"], reduction=reduction, case_name=case_name,
-                        vocab_reduction="mean"))
+  run = lambda backend: _run(backend, OPTION_SETS["all"], reduction=reduction,  # noqa: E731
+                             case_name=case_name, vocab_reduction="mean")
+  value, grads, ref_loss, ref_grads = run("xla")
+  # "none" sums each position's loss times a random cotangent, terms of both
+  # signs: on a TPU, whose float32 log1p errs by up to 2,900 ulp, that sum sat
+  # 1.2e-5 from float64. The rule's bound, 1.25x dense's error on the same
+  # platform, where it is larger (this CPU: 1e-5 stays).
+  dense_error = abs(float(run("dense")[0]) / ref_loss - 1.0)
+  _assert_matches(value, grads, ref_loss, ref_grads, value_rtol=max(1e-5, 1.25 * dense_error))
 
 
 @pytest.mark.parametrize("name", ["smoothing_and_pos_weight", "all"])

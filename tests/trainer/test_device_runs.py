@@ -85,6 +85,21 @@ def test_device_tests_part_runs_the_files_named(tmp_path, monkeypatch):
                   "stop_first": False}
 
 
+def test_device_script_parts_run_their_benchmarks_writing_under_out(tmp_path, monkeypatch):
+  seen = []
+  monkeypatch.setattr(tpu_run.subprocess, "run", lambda command, **_: seen.append(command[1:]))
+  monkeypatch.setattr(gpu_run, "run_parts",
+                      lambda out, parts, names, after_each: [parts[n]() for n in names[1:]])
+  monkeypatch.setattr(sys, "argv", ["tpu_run.py", "device", "--out", str(tmp_path), "--parts",
+                                    "functions", "exclude", "sampled"])
+  tpu_run.main()
+  assert seen == [["benchmarks/float32_functions.py"],
+                  ["benchmarks/exclude_bench.py", "--out", str(tmp_path / "exclude_bench.json")],
+                  ["benchmarks/sampled_logits.py", "--out", str(tmp_path / "sampled_logits.json")]]
+  assert sorted(p.name for p in tmp_path.glob("*.log")) == [
+      "exclude_bench.log", "float32_functions.log", "sampled_logits.log"]
+
+
 def test_device_parts_are_checked_by_name():
   with pytest.raises(SystemExit):
     sys.argv = ["tpu_run.py", "device", "--out", "x", "--parts", "speed"]
