@@ -14,7 +14,8 @@ Two commands, each writing JSON under `--out`:
             still run:
             0. quality ML-1M runs of QUALITY_GRID (--runs; by default
                        NEXT_RUNS, those not measured yet: BCE with the
-                       item bias's seeds 1-2 on the best recipe, gSASRec;
+                       item bias's seeds 1-2 on the best recipe, the
+                       exclusion's seed 0 as one whole run, gSASRec;
                        LATER_RUNS next), one process each, all at once on this GPU
                        (mesh data=1, the configs' global batch), cut at
                        --quality-s.
@@ -438,7 +439,9 @@ QUALITY_GRID += tuple(
 # on a TPU v5e chip 240-260 s each, two to a 10-minute call): the first of
 # what the grid has not measured yet, seeds 1-2 of exact BCE with the item
 # bias on the best recipe (seed 0: 0.1946 on a TPU v5e, above the exact
-# CE's 0.1924), then gSASRec (90,000 steps a seed at most; 6.24 steps/s on
+# CE's 0.1924), the exclusion's seed 0 again as one whole run (the H200's
+# was stitched across two processes; seeds 1-2 ran whole on a v5e in 268 s
+# each), then gSASRec (90,000 steps a seed at most; 6.24 steps/s on
 # a v5e, about 4 hours: a GPU's job, or resumed call after call where its
 # checkpoints fit the carry, which on a v5e call they did not: 36 MiB
 # against 32). Ran on a TPU v5e chip: the best recipe's 1,024 negatives
@@ -457,8 +460,8 @@ QUALITY_GRID += tuple(
 # LATER_RUNS wait for the next device (--runs names them): the six
 # 10^6-item catalog runs (CATALOG_1M_RUNS; their JSONs go to
 # docs/results/catalog/synthetic_1m/ without the prefix).
-NEXT_RUNS = ("bce_capacity_item_bias_seed1", "bce_capacity_item_bias_seed2", "gsasrec_seed0",
-             "gsasrec_seed1", "gsasrec_seed2")
+NEXT_RUNS = ("bce_capacity_item_bias_seed1", "bce_capacity_item_bias_seed2",
+             "ce_capacity_exclude_seed0", "gsasrec_seed0", "gsasrec_seed1", "gsasrec_seed2")
 LATER_RUNS = CATALOG_1M_RUNS
 
 
