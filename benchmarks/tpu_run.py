@@ -43,8 +43,9 @@ Two commands:
     python benchmarks/tpu_run.py wheels
     bash benchmarks/tpu_run.sh --parts tests loss train       # on the TPU machine
     bash benchmarks/tpu_run.sh --parts tests --tests tests/cutbce/test_precision.py --tests-s 200
-    # a run longer than one call (carry .whl-tpu, runs/data_cache, runs/device_resume):
-    bash benchmarks/tpu_run.sh --parts quality --runs gsasrec_seed0 --quality-s 540
+    # a run cut by --quality-s resumes in the next call (carry .whl-tpu, runs/data_cache,
+    # runs/device_resume) where its latest and best checkpoints hold at most 32 MiB:
+    bash benchmarks/tpu_run.sh --parts quality --runs ce_capacity_exclude_seed0 --quality-s 200
 """
 
 from __future__ import annotations
