@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cutbce.kernels import numerics
@@ -53,12 +53,19 @@ def test_log_ends():
   assert abs(got[3] / np.log(3e38) - 1) < 1e-7
 
 
+_EXP, _LOG = jax.jit(numerics.exp), jax.jit(numerics.log)
+
+
+# Jitted, as the op traces them. Op by op, each intermediate rounded,
+# exp(-39.85439) came out 1.05 ulp off (0.05 compiled on this CPU): the
+# example kept below; over 4e7 random arguments compiled, 0.90 at most.
 @settings(max_examples=200, deadline=None)
 @given(st.floats(-87.0, 0.0, width=32), st.floats(1.0, float(np.float32(1e30)), width=32))
+@example(-39.85438919067383, 1.0)
 def test_property_exp_and_log(x, y):
-  assert _ulps(float(numerics.exp(jnp.float32(x))), np.exp(np.float64(x))) < 1.0
+  assert _ulps(float(_EXP(jnp.float32(x))), np.exp(np.float64(x))) < 1.0
   want = np.log(np.float64(y))
-  got = float(numerics.log(jnp.float32(y)))
+  got = float(_LOG(jnp.float32(y)))
   assert abs(got - want) <= 2 * np.spacing(np.float32(max(abs(want), 1e-3)))
 
 
